@@ -1,0 +1,97 @@
+"""Blocked prefix + causal-segment attention against the SDPA reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_longstraw.ops.attention import prefix_causal_attention_reference
+from verl_longstraw.ops.blocked_attention import prefix_causal_attention_blocked
+
+NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+# (B, Hq, Hk, T, P, D, Dv, block_size)
+CASES = {
+    "gqa": (2, 4, 2, 5, 23, 16, 16, 7),
+    "mqa_mla_dv": (2, 4, 1, 6, 50, 24, 16, 16),
+    "single_query": (1, 4, 2, 1, 10, 8, 8, 4),
+    "no_prefix": (2, 4, 2, 9, 0, 8, 8, 4),
+    "block_over_prefix": (1, 2, 2, 3, 5, 8, 12, 64),
+    "mha_blocks_divide": (1, 3, 3, 8, 32, 8, 8, 8),
+}
+
+
+def make_inputs(
+    batch: int, q_heads: int, kv_heads: int, seg_len: int, prefix_len: int, dim: int, v_dim: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {
+        "q": (batch, q_heads, seg_len, dim),
+        "k_prefix": (batch, kv_heads, prefix_len, dim),
+        "v_prefix": (batch, kv_heads, prefix_len, v_dim),
+        "k_self": (batch, kv_heads, seg_len, dim),
+        "v_self": (batch, kv_heads, seg_len, v_dim),
+    }
+    return {name: torch.randn(shape, generator=gen, dtype=dtype).requires_grad_() for name, shape in shapes.items()}
+
+
+def run_with_grads(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -> tuple[torch.Tensor, dict]:
+    out = fn(*inputs.values(), scale, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum()
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    return out.detach(), dict(zip(inputs, grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case: str, dtype: torch.dtype) -> None:
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, block_size = CASES[case]
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, dtype)
+    scale = dim**-0.5
+    out, grads = run_with_grads(prefix_causal_attention_blocked, inputs, scale, block_size=block_size)
+    ref_out, ref_grads = run_with_grads(prefix_causal_attention_reference, inputs, scale)
+    assert out.dtype == dtype and out.shape == (batch, q_heads, seg_len, v_dim)
+    torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=0)
+    for name in NAMES:
+        assert grads[name].shape == inputs[name].shape and grads[name].dtype == dtype
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[dtype], rtol=0, msg=name)
+
+
+def test_gradcheck() -> None:
+    inputs = make_inputs(1, 4, 2, 3, 5, 4, 3, torch.float64)
+    blocked = lambda *xs: prefix_causal_attention_blocked(*xs, 0.5, block_size=2)  # noqa: E731
+    assert torch.autograd.gradcheck(blocked, tuple(inputs.values()), fast_mode=True)
+
+
+def test_bfloat16_inputs() -> None:
+    inputs = {n: x.detach().bfloat16() for n, x in make_inputs(*CASES["gqa"][:7], torch.float32).items()}
+    out = prefix_causal_attention_blocked(*inputs.values(), 0.25, block_size=7)
+    ref = prefix_causal_attention_reference(*(x.float() for x in inputs.values()), 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def saved_numels(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -> list[int]:
+    """Element counts of every tensor autograd saves for backward while ``fn`` runs."""
+    numels: list[int] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        numels.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn(*inputs.values(), scale, **kwargs)
+    return numels
+
+
+def test_saves_no_score_matrix() -> None:
+    """Only inputs + output + logsumexp are saved for backward; nothing of size Hq*T*P."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim = 1, 4, 2, 16, 256, 8, 8
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, torch.float32)
+    score_numel = q_heads * seg_len * prefix_len
+
+    numels = saved_numels(prefix_causal_attention_blocked, inputs, 0.3, block_size=32)
+    expected = [x.numel() for x in inputs.values()] + [batch * q_heads * seg_len * v_dim, batch * q_heads * seg_len]
+    assert sorted(numels) == sorted(expected)
+    assert max(numels) < score_numel

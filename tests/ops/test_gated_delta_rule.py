@@ -1,0 +1,181 @@
+"""Chunked gated delta rule against the token-by-token reference and transformers' torch paths."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verl_longstraw.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference
+
+B, H, DK, DV = 2, 3, 8, 6
+# (values atol, gradients atol); gradients are O(1) here.
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 2e-5)}
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def make_inputs(
+    seq_len: int, dtype: torch.dtype, with_state: bool, seed: int = 0, min_log_decay: float | None = None
+) -> dict[str, torch.Tensor | None]:
+    """Random leaves (requires_grad) in the argument order of the ops."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {
+        "q": torch.randn(B, seq_len, H, DK, generator=gen, dtype=dtype),
+        "k": torch.randn(B, seq_len, H, DK, generator=gen, dtype=dtype),
+        "v": torch.randn(B, seq_len, H, DV, generator=gen, dtype=dtype),
+        "g": F.logsigmoid(torch.randn(B, seq_len, H, generator=gen, dtype=dtype)),
+        "beta": torch.rand(B, seq_len, H, generator=gen, dtype=dtype),
+        "initial_state": torch.randn(B, H, DK, DV, generator=gen, dtype=dtype) if with_state else None,
+    }
+    if min_log_decay is not None:
+        inputs["g"] = torch.rand(B, seq_len, H, generator=gen, dtype=dtype) * min_log_decay
+    return {name: None if x is None else x.requires_grad_() for name, x in inputs.items()}
+
+
+def run_with_grads(fn, inputs: dict, seed: int = 1, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Forward, then backward of a random linear functional of (out, final state)."""
+    out, state = fn(*inputs.values(), **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)).sum()
+    loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)).sum()
+    leaves = {name: x for name, x in inputs.items() if x is not None}
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return out.detach(), state.detach(), dict(zip(leaves, grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("seq_len", [1, 37, 64, 130])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_reference(dtype: torch.dtype, seq_len: int, with_state: bool) -> None:
+    inputs = make_inputs(seq_len, dtype, with_state)
+    out, state, grads = run_with_grads(gated_delta_rule, inputs)
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, inputs)
+    value_tol, grad_tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == (B, seq_len, H, DV)
+    assert state.dtype == dtype and state.shape == (B, H, DK, DV)
+    torch.testing.assert_close(out, ref_out, atol=value_tol, rtol=0)
+    torch.testing.assert_close(state, ref_state, atol=value_tol, rtol=0)
+    assert grads.keys() == ref_grads.keys() == set(NAMES[: 5 + with_state])
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=grad_tol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 64])
+def test_chunk_size_and_strong_decay(chunk_size: int) -> None:
+    """Other chunk sizes; decays so strong that exp(cumulative g) underflows and exp(-cumulative g) overflows."""
+    inputs = make_inputs(45, torch.float64, with_state=True, min_log_decay=-100.0)
+    out, state, grads = run_with_grads(gated_delta_rule, inputs, chunk_size=chunk_size)
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, inputs)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(state, ref_state, atol=1e-10, rtol=0)
+    for name in grads:
+        assert grads[name].isfinite().all()
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def test_without_qk_l2norm() -> None:
+    inputs = make_inputs(37, torch.float64, with_state=True)
+    inputs["q"], inputs["k"] = (x.detach().mul(0.3).requires_grad_() for x in (inputs["q"], inputs["k"]))
+    out, state, grads = run_with_grads(gated_delta_rule, inputs, use_qk_l2norm=False, chunk_size=16)
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, inputs, use_qk_l2norm=False)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(state, ref_state, atol=1e-10, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def test_gradcheck_chunked() -> None:
+    inputs = make_inputs(7, torch.float64, with_state=True)
+    chunked = lambda *xs: gated_delta_rule(*xs, chunk_size=4)  # noqa: E731
+    assert torch.autograd.gradcheck(chunked, tuple(inputs.values()), fast_mode=True)
+
+
+def test_half_precision_inputs() -> None:
+    """bf16 inputs compute in float32: output in bf16, state in float32."""
+    inputs = {n: None if x is None else x.detach() for n, x in make_inputs(37, torch.float32, True).items()}
+    half = {n: x if n == "initial_state" else x.bfloat16() for n, x in inputs.items()}
+    out, state = gated_delta_rule(*half.values())
+    ref_out, ref_state = gated_delta_rule_reference(*(x if x is None else x.float() for x in half.values()))
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("seq_len", [37, 130])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_matches_transformers(model: str, seq_len: int, with_state: bool) -> None:
+    """Same values as transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule (float32)."""
+    hf = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    inputs = {n: None if x is None else x.detach() for n, x in make_inputs(seq_len, torch.float32, with_state).items()}
+    out, state = gated_delta_rule(*inputs.values())
+    hf_kwargs = dict(initial_state=inputs["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    args = [inputs[n] for n in NAMES[:5]]
+    for hf_fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+        hf_out, hf_state = hf_fn(*args, **hf_kwargs)
+        torch.testing.assert_close(out, hf_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(state, hf_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_reference])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_two_segments_equal_one_pass(fn, with_state: bool) -> None:
+    """Carrying the final state of [0, 37) into [37, 130) equals one pass, values and gradients."""
+    split = 37
+    inputs = make_inputs(130, torch.float64, with_state)
+    out, state, grads = run_with_grads(fn, inputs)
+
+    def two_segments(q, k, v, g, beta, initial_state=None):
+        first = [x[:, :split] for x in (q, k, v, g, beta)]
+        second = [x[:, split:] for x in (q, k, v, g, beta)]
+        out_a, state_a = fn(*first, initial_state)
+        out_b, state_b = fn(*second, state_a)
+        return torch.cat([out_a, out_b], dim=1), state_b
+
+    seg_out, seg_state, seg_grads = run_with_grads(two_segments, inputs)
+    torch.testing.assert_close(seg_out, out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(seg_state, state, atol=1e-10, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(seg_grads[name], grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def test_empty_sequence_returns_initial_state() -> None:
+    inputs = {n: None if x is None else x.detach() for n, x in make_inputs(0, torch.float32, True).items()}
+    for fn in (gated_delta_rule, gated_delta_rule_reference):
+        out, state = fn(*inputs.values())
+        assert out.shape == (B, 0, H, DV)
+        torch.testing.assert_close(state, inputs["initial_state"], atol=0, rtol=0)
+
+
+def test_cpu_never_imports_fla() -> None:
+    before = set(sys.modules)
+    inputs = {n: None if x is None else x.detach() for n, x in make_inputs(5, torch.bfloat16, True).items()}
+    gated_delta_rule(*inputs.values())
+    new_modules = {name.split(".")[0] for name in set(sys.modules) - before}
+    assert not new_modules & {"fla", "triton"}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+    reason="needs CUDA and flash-linear-attention",
+)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_fla_dispatch_matches_reference(with_state: bool) -> None:
+    """bf16 CUDA inputs go to fla: values and gradients (initial state included) near the float32 reference."""
+    inputs = make_inputs(130, torch.float32, with_state)
+    cuda = {
+        n: None if x is None else (x if n == "initial_state" else x.bfloat16()).detach().cuda().requires_grad_()
+        for n, x in inputs.items()
+    }
+    out, state, grads = run_with_grads(gated_delta_rule, cuda)
+    ref_inputs = {n: None if x is None else x.detach().float().requires_grad_() for n, x in cuda.items()}
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, ref_inputs)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    results = {"out": (out, ref_out), "state": (state, ref_state)}
+    results.update({f"grad {n}": (grads[n], ref_grads[n]) for n in grads})
+    for name, (x, ref) in results.items():
+        assert (x.float() - ref).norm() <= 2e-2 * ref.norm(), name

@@ -1,0 +1,178 @@
+"""The one interface every architecture adapter implements.
+
+An adapter runs a segment of tokens through the model, layer by layer, reading the state
+of the tokens before it and returning the state the segment adds. It reuses the model's
+own submodules (projections, norms, MLP/MoE) and owns only the token mixer (attention,
+linear attention) and the state format, so it does not depend on one transformers
+release's cache classes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..state import LayerState, StateSpec
+
+
+@dataclass
+class SegmentContext:
+    """What every layer of one segment shares: positions, rotary tables, scratch for the adapter."""
+
+    start: int  # position of the segment's first token
+    length: int  # tokens in the segment
+    cos: torch.Tensor  # [length, rotary_dim]
+    sin: torch.Tensor
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def forward_replaced(module: nn.Module, fn: Callable) -> Iterator[None]:
+    """Make ``module(...)`` run ``fn`` while keeping the module's hooks.
+
+    Calling the module (rather than ``fn`` directly) fires its forward hooks, so FSDP2
+    unshards and reshards parameters and registers its backward hooks, and HF gradient
+    checkpointing wraps the call, exactly as in a normal forward.
+    """
+    previous = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def call_as(module: nn.Module, fn: Callable, *args: Any) -> Any:
+    """``module(*args)`` with ``fn`` as the forward (see ``forward_replaced``)."""
+    with forward_replaced(module, fn):
+        return module(*args)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` [..., S, D] (partial rotary passes the rest).
+
+    ``cos``/``sin`` [S, rotary_dim] come from the model's rotary module (split-half layout).
+    ``interleaved`` first de-interleaves pairs (DeepSeek-V3 ``rope_interleave``).
+    """
+    rot_dim = cos.shape[-1]
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    if interleaved:
+        rot = rot.unflatten(-1, (rot_dim // 2, 2)).transpose(-1, -2).flatten(-2)
+    rot = rot * cos + rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+
+
+class Adapter(ABC):
+    """Runs decoder layers over a segment given the prompt state of earlier tokens.
+
+    Decoder layers are pre-norm: ``h + mixer(input_layernorm(h))``, then
+    ``h + mlp(post_attention_layernorm(h))``. Subclasses implement the mixer and its state.
+    """
+
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.backbone = getattr(model.model, "language_model", model.model)
+        self.layers = self.backbone.layers
+        self.check_supported()
+
+    # -- to implement per architecture -------------------------------------------------
+    @abstractmethod
+    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+        """Layout of layer ``idx``'s state tensors."""
+
+    @abstractmethod
+    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
+        """State before any token: growing tensors with 0 rows, fixed ones at their initial value."""
+
+    @abstractmethod
+    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], segment state)."""
+
+    def check_supported(self) -> None:
+        """Raise ``UnsupportedModelError`` for configurations this adapter would compute wrongly."""
+        if self.model.training and getattr(self.config, "attention_dropout", 0.0):
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: attention_dropout={self.config.attention_dropout} in train mode; "
+                "replay computes attention without dropout. Set config.attention_dropout=0."
+            )
+        if getattr(self.config, "final_logit_softcapping", None):
+            raise UnsupportedModelError(f"{self.config.model_type}: final_logit_softcapping is not supported.")
+
+    def check_length(self, total: int) -> None:
+        """Raise for a sequence length this architecture cannot replay exactly."""
+
+    # -- shared ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def specs(self) -> list[tuple[StateSpec, ...]]:
+        return [self.state_specs(i) for i in range(self.num_layers)]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> hidden [1, S, hidden]."""
+        return self.backbone.embed_tokens(ids[None])
+
+    def context(self, h: torch.Tensor, start: int) -> SegmentContext:
+        length = h.shape[1]
+        positions = torch.arange(start, start + length, device=h.device)[None]
+        cos, sin = self.backbone.rotary_emb(h, positions)
+        return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0])
+
+    def layer(self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool):
+        """One decoder layer. Returns (hidden, *segment_state), or the segment state alone without ``need_output``."""
+        layer = self.layers[idx]
+        mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past)
+        if not need_output:
+            return state
+        h = h + mixed
+        out = layer.mlp(layer.post_attention_layernorm(h))
+        if isinstance(out, tuple):  # MoE blocks of some releases also return router logits
+            out = out[0]
+        return (h + out, *state)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [1, S, hidden] -> logits [S, vocab]."""
+        return self.model.lm_head(self.backbone.norm(h))[0]
+
+
+_REGISTRY: dict[str, type[Adapter]] = {}
+
+
+def register(cls: type[Adapter]) -> type[Adapter]:
+    for model_type in cls.model_types:
+        _REGISTRY[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter registered for ``model.config.model_type``."""
+    model_type = model.config.model_type
+    cls = _REGISTRY.get(model_type)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no LongStraw adapter; supported: {', '.join(supported_model_types())}. "
+            "Add one module under verl_longstraw/adapters/ to support it."
+        )
+    return cls(model)

@@ -1,0 +1,79 @@
+"""Full softmax attention with grouped K/V heads (llama, mistral, qwen2, qwen3).
+
+State per layer: K (after norm and RoPE) and V, each [1, kv_heads, S, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..ops.attention import prefix_causal_attention
+from ..state import LayerState, StateSpec
+from .base import Adapter, SegmentContext, apply_rope, register
+
+KV_SPEC = (StateSpec(growing=True), StateSpec(growing=True))
+
+
+def attention_mix(attn: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+    """GQA attention of segment ``x`` [1, S, hidden] over past K/V plus itself.
+
+    Handles the optional per-head q/k RMSNorm (qwen3) and the sigmoid output gate packed
+    into ``q_proj`` (qwen3_next / qwen3_5 full-attention layers).
+    """
+    head_dim = attn.head_dim
+    shape = (*x.shape[:-1], -1, head_dim)
+    q = attn.q_proj(x)
+    gated = q.shape[-1] == 2 * attn.o_proj.in_features
+    if gated:
+        q, gate = torch.chunk(q.view(*x.shape[:-1], -1, 2 * head_dim), 2, dim=-1)
+        gate = gate.reshape(*x.shape[:-1], -1)
+    q = q.reshape(shape)
+    k = attn.k_proj(x).view(shape)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)
+    k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    out = prefix_causal_attention(q, past[0], past[1], k, v, attn.scaling)
+    out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    if gated:
+        out = out * torch.sigmoid(gate)
+    return attn.o_proj(out), (k, v)
+
+
+def empty_kv(attn: nn.Module, like: torch.Tensor) -> LayerState:
+    kv_heads = attn.k_proj.out_features // attn.head_dim
+    empty = like.new_zeros(1, kv_heads, 0, attn.head_dim)
+    return empty, empty
+
+
+@register
+class DenseAttentionAdapter(Adapter):
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or []):
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: sliding-window layers (config.layer_types) are not supported; "
+                "use a config without use_sliding_window."
+            )
+
+    def check_length(self, total: int) -> None:
+        window = getattr(self.config, "sliding_window", None)
+        if self.config.model_type == "mistral" and window is not None and total > window:
+            raise UnsupportedModelError(
+                f"mistral: sequence of {total} tokens exceeds sliding_window={window}; sliding-window attention "
+                "is not supported. Shorten the sequence or set config.sliding_window=None."
+            )
+
+    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+        return KV_SPEC
+
+    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
+        return empty_kv(self.layers[idx].self_attn, like)
+
+    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+        return attention_mix(self.layers[idx].self_attn, x, ctx, past)

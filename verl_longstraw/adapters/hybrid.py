@@ -1,0 +1,79 @@
+"""Hybrid Gated DeltaNet + full attention (qwen3_next, qwen3_5).
+
+State per layer:
+- full attention: K, V [1, kv_heads, S, head_dim] (growing);
+- Gated DeltaNet: conv state [1, conv_dim, kernel - 1] (the last inputs of the causal
+  depthwise conv) and recurrent state [1, heads, k_dim, v_dim] in float32 (both fixed-size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.gated_delta_rule import gated_delta_rule
+from ..state import LayerState, StateSpec
+from .base import Adapter, SegmentContext, register
+from .dense import KV_SPEC, attention_mix, empty_kv
+
+RECURRENT_SPEC = (StateSpec(growing=False), StateSpec(growing=False))
+
+
+def _project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Input projections -> (qkv [1, S, conv_dim], z [1, S, v_heads, v_dim], b, a [1, S, v_heads])."""
+    if hasattr(mixer, "in_proj_qkvz"):  # qwen3_next packs q, k, v, z and b, a per key-head group
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
+        qkv = torch.cat([t.reshape(*t.shape[:2], -1) for t in (q, k, v)], dim=-1)
+        return qkv, z, b, a
+    z = mixer.in_proj_z(x).unflatten(-1, (-1, mixer.head_v_dim))
+    return mixer.in_proj_qkv(x), z, mixer.in_proj_b(x), mixer.in_proj_a(x)
+
+
+def gated_deltanet_mix(mixer: nn.Module, x: torch.Tensor, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+    """Gated DeltaNet over segment ``x`` [1, S, hidden] continuing from (conv_state, recurrent_state)."""
+    conv_state, recurrent_state = past
+    seq_len = x.shape[1]
+    qkv, z, b, a = _project(mixer, x)
+    conv_in = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [1, conv_dim, K-1+S]
+    new_conv_state = conv_in[..., -(mixer.conv_kernel_size - 1) :]
+    weight = mixer.conv1d.weight
+    mixed = F.silu(F.conv1d(conv_in, weight, mixer.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
+    q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q = q.unflatten(-1, (-1, mixer.head_k_dim))
+    k = k.unflatten(-1, (-1, mixer.head_k_dim))
+    v = v.unflatten(-1, (-1, mixer.head_v_dim))
+    beta = b.sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    groups = mixer.num_v_heads // mixer.num_k_heads
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    out, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state, use_qk_l2norm=True)
+    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+    return mixer.out_proj(out.reshape(1, seq_len, -1)), (new_conv_state, new_recurrent_state)
+
+
+@register
+class HybridGatedDeltaNetAdapter(Adapter):
+    model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+    def _is_linear(self, idx: int) -> bool:
+        return self.config.layer_types[idx] == "linear_attention"
+
+    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+        return RECURRENT_SPEC if self._is_linear(idx) else KV_SPEC
+
+    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
+        layer = self.layers[idx]
+        if not self._is_linear(idx):
+            return empty_kv(layer.self_attn, like)
+        m = layer.linear_attn
+        conv = like.new_zeros(1, m.conv_dim, m.conv_kernel_size - 1)
+        recurrent = like.new_zeros(1, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=torch.float32)
+        return conv, recurrent
+
+    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+        layer = self.layers[idx]
+        if self._is_linear(idx):
+            return gated_deltanet_mix(layer.linear_attn, x, past)
+        return attention_mix(layer.self_attn, x, ctx, past)

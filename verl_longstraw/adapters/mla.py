@@ -1,0 +1,145 @@
+"""Multi-head latent attention (deepseek_v3, and glm_moe_dsa with its sparse indexer).
+
+State per layer: the normalised KV latent and the rotated rope key, stored together as
+one tensor [1, S, kv_lora_rank + rope_dim] (never the decompressed per-head K/V). For
+DSA layers that run their own indexer, also the indexer keys [1, S, index_head_dim]
+(selection only: no gradient flows through them, as in the model).
+
+Attention runs in absorbed form: query heads are projected into latent space through the
+key half of ``kv_b_proj``, attend to the latent (one shared key/value head), and the
+result leaves latent space through the value half. ``absorbed=False`` decompresses K/V
+per head instead (the reference the tests compare against).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference, prefix_causal_mask
+from ..state import LayerState, StateSpec
+from .base import Adapter, SegmentContext, apply_rope, register
+
+LATENT_SPEC = (StateSpec(growing=True),)
+INDEXER_SPEC = (StateSpec(growing=True), StateSpec(growing=True, differentiable=False))
+
+
+def rope_is_interleaved(config, module: nn.Module) -> bool:
+    """Whether ``module`` rotates interleaved pairs: ``config.rope_interleave`` where the model reads it
+    (deepseek_v3), else what the installed transformers release's forward calls (glm_moe_dsa changed
+    from split-half to interleaved between releases)."""
+    flag = getattr(config, "rope_interleave", None)
+    if isinstance(flag, bool):
+        return flag
+    return "apply_rotary_pos_emb_interleave" in inspect.unwrap(type(module).forward).__code__.co_names
+
+
+def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
+    """DSA indexer keys [1, S, index_head_dim] (rope part first)."""
+    k = indexer.k_norm(indexer.wk(x))
+    k_rope, k_pass = torch.split(k, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    return torch.cat([apply_rope(k_rope, ctx.cos, ctx.sin, interleaved), k_pass], dim=-1)
+
+
+def _sparse_mask(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, interleaved: bool, dtype) -> torch.Tensor:
+    """Additive mask [S, P + S] keeping each query's top-k keys by indexer score (DSA), causal."""
+    seg, total = x.shape[1], keys.shape[1]
+    q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [1, S, H, D]
+    q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)
+    q = torch.cat([q_rope, q_pass], dim=-1)
+    weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [1, S, H]
+    scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * indexer.softmax_scale)
+    index_scores = torch.einsum("bsht,bsh->bst", scores, weights)[0]
+    causal = prefix_causal_mask(total - seg, seg, index_scores.dtype, index_scores.device)
+    top = (index_scores + causal).topk(min(indexer.index_topk, total), dim=-1).indices
+    selected = torch.full((seg, total), float("-inf"), dtype=dtype, device=x.device).scatter_(-1, top, 0.0)
+    return selected + causal.to(dtype)
+
+
+@register
+class MultiHeadLatentAttentionAdapter(Adapter):
+    model_types = ("deepseek_v3", "glm_moe_dsa")
+    absorbed = True
+
+    def _runs_indexer(self, idx: int) -> bool:
+        attn = self.layers[idx].self_attn
+        return getattr(attn, "indexer", None) is not None and not attn.skip_topk
+
+    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+        return INDEXER_SPEC if self._runs_indexer(idx) else LATENT_SPEC
+
+    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
+        attn = self.layers[idx].self_attn
+        latent = like.new_zeros(1, 0, attn.kv_lora_rank + attn.qk_rope_head_dim)
+        if self._runs_indexer(idx):
+            return latent, like.new_zeros(1, 0, attn.indexer.head_dim)
+        return (latent,)
+
+    def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState, dtype):
+        """(extra indexer-key state, attention mask or None) for a DSA layer; None mask when top-k keeps every key."""
+        if not hasattr(self.config, "index_topk"):
+            return (), None
+        total = past[0].shape[1] + ctx.length
+        if not self._runs_indexer(idx):  # shared layer: reuse the previous indexer layer's selection
+            return (), ctx.scratch.get("dsa_mask")
+        interleaved = rope_is_interleaved(self.config, attn.indexer)
+        with torch.no_grad():  # selection only: the model's indexer gets no gradient either
+            keys = _indexer_keys(attn.indexer, x, ctx, interleaved)
+            mask = None
+            if total > attn.indexer.index_topk:
+                all_keys = torch.cat([past[1], keys], dim=1)
+                mask = _sparse_mask(attn.indexer, x, q_resid, all_keys, ctx, interleaved, dtype)
+        ctx.scratch["dsa_mask"] = mask
+        return (keys,), mask
+
+    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+        attn = self.layers[idx].self_attn
+        heads, nope, rope_dim, rank = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+        interleaved = rope_is_interleaved(self.config, attn)
+        if attn.q_lora_rank is None:
+            q_resid, q = None, attn.q_proj(x)
+        else:
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+            q = attn.q_b_proj(q_resid)
+        q = q.unflatten(-1, (heads, attn.qk_head_dim)).transpose(1, 2)  # [1, H, S, nope + rope]
+        q_nope, q_rope = torch.split(q, [nope, rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, interleaved)
+        latent, k_rope = torch.split(attn.kv_a_proj_with_mqa(x), [rank, rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, interleaved)
+        segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [1, S, rank + rope]
+        extra_state, mask = self._dsa_mask(idx, attn, x, q_resid, ctx, past, q.dtype)
+
+        w_kv = attn.kv_b_proj.weight.view(heads, nope + attn.v_head_dim, rank)
+        w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
+        if self.absorbed:
+            query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
+            prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, S, rank + rope]
+            if mask is None:
+                out = prefix_causal_attention(query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling)
+            else:
+                out = prefix_causal_attention_reference(
+                    query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, attn_mask=mask
+                )
+            out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
+        else:
+            out = self._decompressed_attention(attn, q_nope, q_rope, torch.cat([past[0], segment], dim=1), mask, w_k, w_v)
+        out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+        return attn.o_proj(out), (segment, *extra_state)
+
+    @staticmethod
+    def _decompressed_attention(attn, q_nope, q_rope, state, mask, w_k, w_v) -> torch.Tensor:
+        """Reference: per-head K/V decompressed from the latent of every key [1, P + S, rank + rope]."""
+        latent, k_rope = state[..., : attn.kv_lora_rank], state[..., attn.kv_lora_rank :]
+        k_nope = torch.einsum("btr,hnr->bhtn", latent, w_k)
+        v = torch.einsum("btr,hvr->bhtv", latent, w_v)
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        query = torch.cat([q_nope, q_rope], dim=-1)
+        seg = query.shape[2]
+        prefix_len = k.shape[2] - seg
+        if mask is None:
+            mask = prefix_causal_mask(prefix_len, seg, query.dtype, query.device)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=attn.scaling)

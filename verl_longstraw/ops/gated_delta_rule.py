@@ -1,0 +1,183 @@
+"""Gated delta rule (Gated DeltaNet) with an initial recurrent state in and the final state out.
+
+Shapes: ``q``, ``k`` [B, S, H, Dk]; ``v`` [B, S, H, Dv]; ``g`` [B, S, H] log-decay (<= 0);
+``beta`` [B, S, H]; states [B, H, Dk, Dv]. Per head and token, with q scaled by Dk**-0.5
+(q and k L2-normalised first when ``use_qk_l2norm``)::
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + k_t^T (beta_t * (v_t - k_t S_t))
+    o_t = q_t S_t
+
+the convention of transformers' ``torch_recurrent_gated_delta_rule`` /
+``torch_chunk_gated_delta_rule`` (Qwen3-Next, Qwen3.5) and of flash-linear-attention's
+``chunk_gated_delta_rule``. Arithmetic, the L2 norm included, is float32 (float64 for float64
+inputs); the output has the dtype of ``v``, the final state the compute dtype.
+
+``gated_delta_rule_reference`` is the token-by-token recurrence. ``gated_delta_rule`` is the
+chunked (WY / UT-transform) form in plain torch, differentiable in every input including the
+initial state, and dispatches to flash-linear-attention for half-precision CUDA inputs.
+flash-linear-attention (and with it triton) is imported only then, so CPU processes never
+load it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_L2NORM_EPS = 1e-6
+_FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (transformers' and fla's ``l2norm``)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast to the compute dtype, put heads before the sequence, normalise and scale q, k.
+
+    Returns q, k [B, H, S, Dk]; v [B, H, S, Dv]; g, beta [B, H, S]; state [B, H, Dk, Dv]
+    (zeros when ``initial_state`` is None).
+    """
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    if initial_state is None:
+        batch, heads, _, dk = k.shape
+        state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=dtype, device=v.device)
+    else:
+        state = initial_state.to(dtype)
+    return q, k, v, g, beta, state
+
+
+def gated_delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence. Returns (out [B, S, H, Dv] in v's dtype, final state [B, H, Dk, Dv])."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    outs = []
+    for t in range(q.shape[2]):
+        k_t = k[:, :, t]
+        state = state * g[:, :, t, None, None].exp()
+        delta = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta[:, :, t, None]
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape).transpose(1, 2)
+    return out.to(out_dtype), state
+
+
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form on prepared inputs ([B, H, S, ...], see ``_prepare``). Returns (out [B, S, H, Dv], state).
+
+    Inside a chunk with cumulative log-decay ``c`` and decay ``D_ij = exp(c_i - c_j)`` (j <= i),
+    the UT transform ``T = (I + tril(diag(beta) K K^T * D, -1))^-1`` gives the corrected values
+    ``u = T (beta v)`` and the keys reading the chunk's start state ``w = T (beta exp(c) k)``;
+    then ``v_new = u - w S``, ``o = (q exp(c)) S + (Q K^T * D) v_new`` and
+    ``S' = exp(c_last) S + (k exp(c_last - c))^T v_new``. Padding tokens (k = v = g = beta = 0)
+    leave the state unchanged, so any S works.
+    """
+    batch, heads, seq_len, _ = k.shape
+    dv = v.shape[-1]
+    pad = -seq_len % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n_chunks = (seq_len + pad) // chunk_size
+    q, k, v = (x.reshape(batch, heads, n_chunks, chunk_size, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads, n_chunks, chunk_size) for x in (g, beta))
+
+    cum = g.cumsum(-1)
+    above_diagonal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(above_diagonal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    ut_system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    u = torch.linalg.solve_triangular(ut_system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut_system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = q @ k.transpose(-1, -2) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_decayed = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    outs = []
+    for i in range(n_chunks):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    if not outs:
+        return v.new_zeros(batch, 0, heads, dv), state
+    out = torch.stack(outs, dim=2).reshape(batch, heads, n_chunks * chunk_size, dv)[:, :, :seq_len]
+    return out.transpose(1, 2), state
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule() -> Callable | None:
+    """flash-linear-attention's kernel, or None when it is not installed. Call only for CUDA inputs."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule. Returns (out [B, S, H, Dv] in v's dtype, final state [B, H, Dk, Dv]).
+
+    The final state is float32 (float64 for float64 inputs). bf16/fp16 CUDA inputs go to
+    flash-linear-attention when it is installed (its chunk size is fixed, ``chunk_size`` is
+    ignored there); everything else takes the plain torch path.
+    """
+    if q.is_cuda and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
+        fla_kernel = _fla_chunk_gated_delta_rule()
+        if fla_kernel is not None:
+            out, state = fla_kernel(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                scale=q.shape[-1] ** -0.5,
+                initial_state=None if initial_state is None else initial_state.float(),
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+            )
+            return out.to(v.dtype), state.float()
+    out_dtype = v.dtype
+    out, state = _chunked(*_prepare(q, k, v, g, beta, initial_state, use_qk_l2norm), chunk_size)
+    return out.to(out_dtype), state

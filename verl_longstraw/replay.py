@@ -1,0 +1,158 @@
+"""Capture a prompt's state once, replay responses against it, backpropagate the prompt once.
+
+Phases for one GRPO group (prompt ``p`` of P tokens, responses ``r_i``):
+1. capture: run ``p[:-1]`` without autograd, chunk by chunk, keeping each layer's state;
+2. replay: for each response run ``[p[-1]] + r_i[:-1]`` against the state (positions
+   P-1 ...), score ``r_i``, and backpropagate its loss at once (one response graph alive);
+3. exact mode: the state was a leaf, so replay left d(sum of losses)/d(state) in its
+   ``.grad``; recompute the prompt chunk by chunk in reverse, from each chunk's boundary
+   state, and backpropagate those gradients (plus the gradient the later chunks sent back
+   into this chunk's rows) into the parameters.
+Each phase runs as one call of the model module and each layer as a call of that layer,
+so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapters import Adapter
+from .adapters.base import call_as
+from .state import LayerState, PromptState
+
+
+@dataclass
+class GroupStats:
+    """What one group cost: state size and seconds per phase."""
+
+    prompt_state_bytes: int = 0
+    capture_s: float = 0.0
+    replay_s: float = 0.0
+    prompt_backward_s: float = 0.0
+    response_tokens: int = 0
+    chunks: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def chunk_bounds(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """[(start, end)] covering ``length`` tokens in chunks of ``chunk_size`` (one chunk if None)."""
+    if length == 0:
+        return []
+    size = chunk_size or length
+    return [(s, min(s + size, length)) for s in range(0, length, size)]
+
+
+def run_segment(
+    adapter: Adapter, ids: torch.Tensor, start: int, past: list[LayerState] | None, with_logits: bool
+) -> torch.Tensor | list[LayerState]:
+    """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before).
+
+    Returns logits [S, vocab] with ``with_logits``; otherwise each layer's segment state
+    (the last layer stops once its state is known: its output is never read).
+    """
+
+    def forward() -> torch.Tensor | tuple[torch.Tensor, ...]:
+        h = adapter.embed(ids)
+        ctx = adapter.context(h, start)
+        layer_past = past or [adapter.empty_state(i, h) for i in range(adapter.num_layers)]
+        states = []
+        for idx, layer in enumerate(adapter.layers):
+            need_output = with_logits or idx < adapter.num_layers - 1
+
+            def layer_forward(h, *state, idx=idx, need_output=need_output):
+                return adapter.layer(idx, h, ctx, state, need_output)
+
+            out = call_as(layer, layer_forward, h, *layer_past[idx])
+            if need_output:
+                h, out = out[0], out[1:]
+            states.append(tuple(out))
+        if with_logits:
+            return adapter.head(h)
+        return tuple(t for s in states for t in s)
+
+    out = call_as(adapter.model, forward)
+    if with_logits:
+        return out
+    flat = iter(out)
+    return [tuple(next(flat) for _ in spec) for spec in adapter.specs()]
+
+
+def capture(adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, keep_boundaries: bool) -> PromptState:
+    """State of the prompt tokens ``ids`` [P'], computed chunk by chunk without autograd."""
+    state = PromptState(adapter.specs(), len(ids), keep_boundaries)
+    with torch.no_grad():
+        for s, e in chunk_bounds(len(ids), chunk_size):
+            state.append(run_segment(adapter, ids[s:e], s, state.current(), with_logits=False), e - s)
+    return state
+
+
+def as_leaves(state: PromptState, requires_grad: bool) -> list[LayerState] | None:
+    """The captured state as autograd leaves (differentiable tensors get ``requires_grad``)."""
+    current = state.current()
+    if current is None:
+        return None
+    return [
+        tuple(t.detach().requires_grad_(requires_grad and s.differentiable) for s, t in zip(spec, layer))
+        for spec, layer in zip(state.specs, current)
+    ]
+
+
+def backward_prompt(
+    adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, state: PromptState, leaves: list[LayerState]
+) -> None:
+    """Backpropagate the gradient accumulated on the state ``leaves`` through the prompt ``ids``, in reverse chunks.
+
+    Chunk k is recomputed from its boundary state (as leaves). Its outputs receive the
+    gradient of its own rows plus, for fixed-size state, the gradient at its end; the
+    gradient it sends into earlier rows is added to those rows, and the gradient of its
+    starting fixed-size state becomes the end gradient of chunk k-1.
+    """
+    grads = [[t.grad for t in layer] for layer in leaves]
+    bounds = chunk_bounds(len(ids), chunk_size)
+    for index in reversed(range(len(bounds))):
+        start, end = bounds[index]
+        past = state.at_boundary(index, start)
+        past_leaves = None
+        if past is not None:
+            past_leaves = [
+                tuple(t.detach().requires_grad_(s.differentiable) for s, t in zip(spec, layer))
+                for spec, layer in zip(state.specs, past)
+            ]
+        with torch.enable_grad():
+            segment = run_segment(adapter, ids[start:end], start, past_leaves, with_logits=False)
+        outputs, output_grads = [], []
+        for spec, seg_layer, grad_layer in zip(state.specs, segment, grads):
+            for s, out, grad in zip(spec, seg_layer, grad_layer):
+                if grad is not None and out.requires_grad:
+                    outputs.append(out)
+                    output_grads.append(grad[..., start:end, :] if s.growing else grad)
+        if outputs:
+            torch.autograd.backward(outputs, output_grads)
+        if past_leaves is None:
+            continue
+        for spec, leaf_layer, grad_layer in zip(state.specs, past_leaves, grads):
+            for j, (s, leaf) in enumerate(zip(spec, leaf_layer)):
+                if not s.growing:
+                    grad_layer[j] = leaf.grad
+                elif leaf.grad is not None:
+                    if grad_layer[j] is None:
+                        grad_layer[j] = leaf.new_zeros(*leaf.shape[:-2], state.length, leaf.shape[-1])
+                    grad_layer[j][..., :start, :] += leaf.grad
+
+
+def response_inputs(prompt_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """Tokens replayed for a response: the last prompt token, then all but the last response token."""
+    return torch.cat([prompt_ids[-1:], response[:-1]])
+
+
+def score(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [T] (float32) of ``targets`` under ``logits`` [T, vocab] / temperature, and optionally the entropy [T]."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token_log_probs = log_probs.gather(-1, targets[:, None])[:, 0]
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return token_log_probs, entropy
