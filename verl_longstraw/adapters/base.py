@@ -102,8 +102,14 @@ class Adapter(ABC):
         """State before any token: growing tensors with 0 rows, fixed ones at their initial value."""
 
     @abstractmethod
-    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
-        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], segment state)."""
+    def mix(
+        self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
+    ) -> tuple[torch.Tensor | None, LayerState]:
+        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], segment state).
+
+        Without ``need_output`` only the state is needed (the output may be None), e.g. the
+        last layer while capturing a prompt: attention then skips attending.
+        """
 
     def check_supported(self) -> None:
         """Raise ``UnsupportedModelError`` for configurations this adapter would compute wrongly."""
@@ -139,7 +145,7 @@ class Adapter(ABC):
     def layer(self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool):
         """One decoder layer. Returns (hidden, *segment_state), or the segment state alone without ``need_output``."""
         layer = self.layers[idx]
-        mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past)
+        mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past, need_output)
         if not need_output:
             return state
         h = h + mixed

@@ -16,7 +16,9 @@ from .base import Adapter, SegmentContext, apply_rope, register
 KV_SPEC = (StateSpec(growing=True), StateSpec(growing=True))
 
 
-def attention_mix(attn: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+def attention_mix(
+    attn: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool = True
+) -> tuple[torch.Tensor | None, LayerState]:
     """GQA attention of segment ``x`` [1, S, hidden] over past K/V plus itself.
 
     Handles the optional per-head q/k RMSNorm (qwen3) and the sigmoid output gate packed
@@ -36,6 +38,8 @@ def attention_mix(attn: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: L
     q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)
     k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
     v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if not need_output:
+        return None, (k, v)
     out = prefix_causal_attention(q, past[0], past[1], k, v, attn.scaling)
     out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
     if gated:
@@ -75,5 +79,5 @@ class DenseAttentionAdapter(Adapter):
     def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
         return empty_kv(self.layers[idx].self_attn, like)
 
-    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
-        return attention_mix(self.layers[idx].self_attn, x, ctx, past)
+    def mix(self, idx, x, ctx, past, need_output):
+        return attention_mix(self.layers[idx].self_attn, x, ctx, past, need_output)

@@ -72,8 +72,8 @@ class HybridGatedDeltaNetAdapter(Adapter):
         recurrent = like.new_zeros(1, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=torch.float32)
         return conv, recurrent
 
-    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+    def mix(self, idx, x, ctx, past, need_output):
         layer = self.layers[idx]
         if self._is_linear(idx):
             return gated_deltanet_mix(layer.linear_attn, x, past)
-        return attention_mix(layer.self_attn, x, ctx, past)
+        return attention_mix(layer.self_attn, x, ctx, past, need_output)

@@ -96,7 +96,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         ctx.scratch["dsa_mask"] = mask
         return (keys,), mask
 
-    def mix(self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor, LayerState]:
+    def mix(self, idx, x, ctx, past, need_output):
         attn = self.layers[idx].self_attn
         heads, nope, rope_dim, rank = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
         interleaved = rope_is_interleaved(self.config, attn)
@@ -112,6 +112,8 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, interleaved)
         segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [1, S, rank + rope]
         extra_state, mask = self._dsa_mask(idx, attn, x, q_resid, ctx, past, q.dtype)
+        if not need_output:
+            return None, (segment, *extra_state)
 
         w_kv = attn.kv_b_proj.weight.view(heads, nope + attn.v_head_dim, rank)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]

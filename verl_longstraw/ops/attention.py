@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .blocked_attention import prefix_causal_attention_blocked
+
 _MASK_CACHE: dict[tuple, torch.Tensor] = {}
 
 
@@ -55,6 +57,13 @@ def prefix_causal_attention_reference(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+MASK_BYTES_LIMIT = 64 * 2**20
+
+
 def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float) -> torch.Tensor:
-    """Dispatch point used by the adapters."""
+    """Dispatch used by the adapters: one SDPA call while its explicit mask [T, P + T] stays small,
+    else the blocked online-softmax op, which saves only inputs, output and logsumexp."""
+    seg_len, total = q.shape[-2], k_prefix.shape[-2] + q.shape[-2]
+    if k_prefix.shape[-2] and seg_len * total * q.element_size() > MASK_BYTES_LIMIT:
+        return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale)
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale)
