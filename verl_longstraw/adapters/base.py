@@ -52,9 +52,20 @@ def forward_replaced(module: nn.Module, fn: Callable) -> Iterator[None]:
 
 
 def call_as(module: nn.Module, fn: Callable, *args: Any) -> Any:
-    """``module(*args)`` with ``fn`` as the forward (see ``forward_replaced``)."""
+    """``module(*args)`` with ``fn`` as the forward (see ``forward_replaced``).
+
+    HF gradient checkpointing (``module.gradient_checkpointing``) is applied here, around
+    the swap, so its recompute during backward runs ``fn`` again rather than the
+    module's own forward.
+    """
+    if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
+        return module._gradient_checkpointing_func(_call_replaced, module, fn, *args)
+    return _call_replaced(module, fn, *args)
+
+
+def _call_replaced(module: nn.Module, fn: Callable, *args: Any) -> Any:
     with forward_replaced(module, fn):
-        return module(*args)
+        return nn.Module.__call__(module, *args)  # module hooks fire; HF's checkpointing __call__ is bypassed
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,195 @@
+"""Core benchmark: standard GRPO backward vs LongStraw detached / exact / chunked exact, on CPU.
+
+For each family x prompt length P x group size G (responses of T tokens) it measures, each
+configuration in a fresh process:
+- peak bytes saved for backward (verl_longstraw.memory, parameters excluded),
+- process peak RSS growth over the loaded model (MB; includes state, gradients and allocator slack),
+- wall and CPU seconds of one group's forward + backward;
+and, at one size, the relative L2 gradient error of each path against standard.
+"standard" is one micro-batch holding the G sequences prompt ++ response (what veRL runs).
+
+    python benchmarks/bench_core.py                      # full sweep, writes benchmarks/results/core.*
+    python benchmarks/bench_core.py --prompt-lens 512 --group-sizes 2 8 --out /tmp/x   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from verl_longstraw import group_backward
+from verl_longstraw.memory import parameter_meter
+from verl_longstraw.tiny import VOCAB, tiny_model
+
+FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
+PATHS = ("standard", "detached", "exact", "chunked_exact")
+CHUNKS = 8  # chunked exact splits the prompt into this many chunks
+
+
+def grpo_loss(i: int, log_probs: torch.Tensor) -> torch.Tensor:
+    """Advantage-weighted token-mean policy-gradient loss (advantages alternate in sign)."""
+    return -(1.0 if i % 2 == 0 else -1.0) * log_probs.mean()
+
+
+def make_group(prompt_len: int, group_size: int, response_len: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=g)
+    return prompt, [torch.randint(0, VOCAB, (response_len,), generator=g) for _ in range(group_size)]
+
+
+def standard_backward(model, prompt, responses) -> None:
+    """All G sequences in one batch: one forward, one backward (G prompt graphs alive)."""
+    ids = torch.stack([torch.cat([prompt, r]) for r in responses])
+    logits = model(ids).logits.float()
+    log_probs = torch.log_softmax(logits[:, len(prompt) - 1 : -1], dim=-1)
+    token_lp = log_probs.gather(-1, torch.stack(responses)[..., None])[..., 0]
+    sum(grpo_loss(i, token_lp[i]) for i in range(len(responses))).backward()
+
+
+def run_path(model, path: str, prompt, responses) -> None:
+    if path == "standard":
+        standard_backward(model, prompt, responses)
+    else:
+        chunk = -(-(len(prompt) - 1) // CHUNKS) if path == "chunked_exact" else None
+        mode = "detached" if path == "detached" else "exact"
+        group_backward(model, prompt, responses, grpo_loss, prompt_grad=mode, chunk_size=chunk)
+
+
+def measure_one(family: str, prompt_len: int, group_size: int, response_len: int, path: str) -> dict:
+    """One configuration (run in its own process so peak RSS is its own)."""
+    torch.set_num_threads(2)
+    model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
+    prompt, responses = make_group(prompt_len, group_size, response_len)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run_path(model, path, prompt, responses[:1])  # warm-up (allocator, kernels): a subset of the measured work
+    model.zero_grad(set_to_none=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    with parameter_meter(model) as meter:
+        run_path(model, path, prompt, responses)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    return dict(
+        family=family, P=prompt_len, G=group_size, T=response_len, path=path,
+        saved_peak_mb=meter.peak / 2**20, rss_growth_mb=rss_growth / 1024, wall_s=wall, cpu_s=cpu,
+    )
+
+
+def gradient_errors(family: str, prompt_len: int, group_size: int, response_len: int) -> dict:
+    """Relative L2 error of each LongStraw path's gradient against standard's, over all parameters."""
+    model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
+    prompt, responses = make_group(prompt_len, group_size, response_len)
+    grads = {}
+    for path in PATHS:
+        model.zero_grad(set_to_none=True)
+        run_path(model, path, prompt, responses)
+        grads[path] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+    ref = grads["standard"]
+    return {path: float((grads[path] - ref).norm() / ref.norm()) for path in PATHS[1:]}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+
+
+def write_reports(rows: list[dict], errors: dict, out_dir: str, command: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "core.json"), "w") as f:
+        json.dump(dict(command=command, machine=machine(), rows=rows, gradient_errors=errors), f, indent=1)
+    index = {(r["family"], r["P"], r["G"], r["path"]): r for r in rows}
+    lines = [
+        "# Core benchmark (CPU)", "", f"Command: `{command}`", "", f"Machine: {machine()}", "",
+        "Peak saved-for-backward MB (ratio to standard), CPU seconds (ratio), peak RSS growth MB. T = "
+        f"{rows[0]['T']}; chunked exact uses {CHUNKS} chunks.", "",
+        "| family | P | G | path | saved MB | vs std | CPU s | vs std | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        std = index[(r["family"], r["P"], r["G"], "standard")]
+        lines.append(
+            f"| {r['family']} | {r['P']} | {r['G']} | {r['path']} | {r['saved_peak_mb']:.1f} | "
+            f"{r['saved_peak_mb'] / std['saved_peak_mb']:.3f} | {r['cpu_s']:.2f} | {r['cpu_s'] / std['cpu_s']:.3f} | "
+            f"{r['rss_growth_mb']:.0f} |"
+        )
+    lines += ["", "Growth of peak saved bytes from G=2 to G=8:", "", "| family | P | path | G=8 / G=2 |", "|---|---|---|---|"]
+    for (family, p, g, path), r in index.items():
+        if g == 8 and (family, p, 2, path) in index:
+            lines.append(f"| {family} | {p} | {path} | {r['saved_peak_mb'] / index[(family, p, 2, path)]['saved_peak_mb']:.3f} |")
+    lines += ["", "Gradient relative L2 error against standard:", "", "| family | setting | path | error |", "|---|---|---|---|"]
+    for key, errs in errors.items():
+        family, setting = key.split(" ", 1)
+        lines += [f"| {family} | {setting} | {path} | {err:.2e} |" for path, err in errs.items()]
+    with open(os.path.join(out_dir, "core.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(rows, os.path.join(out_dir, "core.png"))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted({r["family"] for r in rows})
+    prompt_lens = sorted({r["P"] for r in rows})
+    fig, axes = plt.subplots(len(prompt_lens), len(families), figsize=(4 * len(families), 3.2 * len(prompt_lens)), squeeze=False)
+    for i, p in enumerate(prompt_lens):
+        for j, family in enumerate(families):
+            ax = axes[i][j]
+            for name in PATHS:
+                pts = sorted((r["G"], r["saved_peak_mb"]) for r in rows if (r["family"], r["P"], r["path"]) == (family, p, name))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set_yscale("log")
+            ax.set_title(f"{family}, P={p}")
+            ax.set_xlabel("group size G")
+            ax.set_ylabel("peak saved MB")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--group-sizes", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--response-len", type=int, default=64)
+    parser.add_argument("--error-prompt-len", type=int, default=4096)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: JSON args of one configuration
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(**json.loads(args.one))))
+        return
+    command = "python benchmarks/bench_core.py " + " ".join(sys.argv[1:])
+    rows, errors = [], {}
+    for family in args.families:
+        for p in args.prompt_lens:
+            for g in args.group_sizes:
+                for path in PATHS:
+                    spec = dict(family=family, prompt_len=p, group_size=g, response_len=args.response_len, path=path)
+                    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+                    if out.returncode != 0:
+                        raise RuntimeError(f"{spec} failed:\n{out.stderr[-2000:]}")
+                    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    r = rows[-1]
+                    print(f"{family:12s} P={p:6d} G={g} {path:14s} saved {r['saved_peak_mb']:9.1f} MB  "
+                          f"cpu {r['cpu_s']:7.2f} s  rss +{r['rss_growth_mb']:.0f} MB", flush=True)
+        setting = f"P={args.error_prompt_len} G={max(args.group_sizes)} T={args.response_len}"
+        errors[f"{family} {setting}"] = gradient_errors(family, args.error_prompt_len, max(args.group_sizes), args.response_len)
+        print(f"{family:12s} gradient errors vs standard ({setting}): {errors[f'{family} {setting}']}", flush=True)
+    write_reports(rows, errors, args.out, command)
+    print(f"wrote {args.out}/core.json, core.md, core.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Memory stays flat in G, state formats have the promised size, bad input fails loudly."""
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+
+from verl_longstraw import UnsupportedModelError, group_backward, group_log_probs
+from verl_longstraw.adapters import adapter_for
+from verl_longstraw.memory import parameter_meter
+from verl_longstraw.replay import capture
+
+
+def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
+    prompt, responses = make_group(VOCAB, 512, [32] * group_size)
+    with parameter_meter(model) as meter:
+        group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size)
+    return meter.peak
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("prompt_grad, chunk_size", [("exact", None), ("exact", 128), ("detached", None)])
+def test_memory_flat_in_group_size(family, prompt_grad, chunk_size):
+    model = tiny_model(family)
+    small = _peak_saved_bytes(model, 2, prompt_grad, chunk_size)
+    large = _peak_saved_bytes(model, 8, prompt_grad, chunk_size)
+    assert large <= 1.05 * small, (small, large)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_mla_state_is_latent_only(family):
+    model = tiny_model(family)
+    config = model.config
+    prompt_len = 50
+    state = capture(adapter_for(model), torch.randint(0, VOCAB, (prompt_len,)), chunk_size=16, keep_boundaries=False)
+    elements = sum(t.numel() for t in state.tensors())
+    latent = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * prompt_len
+    indexer = config.index_head_dim * config.num_hidden_layers * prompt_len if family == "glm_moe_dsa" else 0
+    assert elements == latent + indexer
+
+
+def test_hybrid_state_is_fixed_size_for_linear_layers():
+    model = tiny_model("qwen3_next")
+    adapter = adapter_for(model)
+    sizes = [
+        [t.numel() for t in capture(adapter, torch.randint(0, VOCAB, (n,)), None, False).layers[0]] for n in (10, 90)
+    ]
+    assert sizes[0] == sizes[1]  # layer 0 is linear attention: conv + recurrent state, independent of length
+
+
+def test_single_token_prompt():
+    """P = 1: nothing to capture; the response is scored from the prompt token alone."""
+    model = tiny_model("qwen3_5")
+    prompt, responses = make_group(VOCAB, 1, (6, 2))
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss)
+    assert relative_error(grads_of(model), expected) < 1e-5
+
+
+def test_gradient_checkpointing_keeps_prompt_state():
+    model = tiny_model("qwen3_next")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompt, responses = make_group(VOCAB, 120, (7, 11))
+    model.gradient_checkpointing_disable()
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    with torch.no_grad():
+        expected_lp = full_log_probs(model, prompt, responses[0])[0]
+    for reentrant in (False, True):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        assert model.training
+        assert (group_log_probs(model, prompt, responses[:1])[0] - expected_lp).abs().max() < 1e-5
+        model.zero_grad(set_to_none=True)
+        group_backward(model, prompt, responses, weighted_loss, chunk_size=50)
+        assert relative_error(grads_of(model), expected) < 1e-5
+
+
+def test_sparse_dsa_selection_matches_full_forward():
+    """GLM-MoE-DSA with index_topk below the sequence length: replay selects the same keys.
+
+    Index scores are ReLU'd per indexer head, so with few heads many keys tie at exactly 0
+    and top-k may break those ties differently for different query lengths (in the model
+    itself too). Sixteen indexer heads make exact ties improbable.
+    """
+    model = tiny_model("glm_moe_dsa", index_topk=24, index_n_heads=16)
+    prompt, responses = make_group(VOCAB, 60, (9,))
+    lp = group_log_probs(model, prompt, responses, chunk_size=25)[0]
+    with torch.no_grad():
+        expected = full_log_probs(model, prompt, responses[0])[0]
+    assert (lp - expected).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3")
+
+
+def _loss(i, lp):
+    return -lp.sum()
+
+
+BAD_INPUTS = [
+    (dict(prompt_ids=torch.tensor([], dtype=torch.long)), "prompt_ids is empty"),
+    (dict(prompt_ids=torch.ones(2, 3, dtype=torch.long)), "prompt_ids must be 1-D"),
+    (dict(prompt_ids=torch.ones(4)), "prompt_ids must be a LongTensor"),
+    (dict(prompt_ids=torch.tensor([1, VOCAB])), r"prompt_ids has token ids in \[1, 128\], outside"),
+    (dict(responses=[torch.tensor([1]), torch.tensor([], dtype=torch.long)]), r"responses\[1\] is empty"),
+    (dict(responses=[]), "responses must be a non-empty list"),
+    (dict(responses=[torch.tensor([-1, 2])]), r"responses\[0\] has token ids"),
+    (dict(responses=[torch.ones(4096, dtype=torch.long)]), "exceeds max_position_embeddings=4096"),
+    (dict(chunk_size=0), "chunk_size must be a positive int"),
+    (dict(prompt_grad="biased"), "prompt_grad must be one of"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_INPUTS)
+def test_bad_input_raises_clear_error(qwen3, override, message):
+    args = dict(prompt_ids=torch.tensor([1, 2, 3]), responses=[torch.tensor([4, 5])], prompt_grad="exact", chunk_size=None)
+    args.update(override)
+    with pytest.raises(ValueError, match=message):
+        group_backward(qwen3, args["prompt_ids"], args["responses"], _loss, args["prompt_grad"], args["chunk_size"])
+
+
+def test_loss_fn_must_return_scalar(qwen3):
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        group_backward(qwen3, torch.tensor([1, 2]), [torch.tensor([3, 4])], lambda i, lp: lp)
+
+
+def test_unsupported_model_type_names_supported_ones():
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2' has no LongStraw adapter; supported: .*qwen3"):
+        group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
+
+
+def test_unsupported_feature_is_refused():
+    model = tiny_model("qwen3", attention_dropout=0.1)
+    with pytest.raises(UnsupportedModelError, match="attention_dropout=0.1 in train mode"):
+        group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
+    model.eval()  # dropout is off in eval mode, so the same model is fine there
+    group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])

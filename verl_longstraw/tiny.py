@@ -1,0 +1,86 @@
+"""Tiny random-init models of every supported family, built from transformers configs (no hub).
+
+Used by the tests, the benchmarks and the CPU examples; sizes are in ``tiny_config``.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """Config of a 2-4 layer model of ``family`` (hidden 64, vocab 128); ``overrides`` set config fields."""
+    config = _base_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    # transformers 5.10 GLM-MoE-DSA drops the causal mask under sdpa (attends to future tokens): eager there.
+    config._attn_implementation = "eager" if family == "glm_moe_dsa" else "sdpa"
+    config._experts_implementation = "eager"  # CPU grouped-mm rejects float64
+    return config
+
+
+def _base_config(family: str):
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+        )
+    if family == "llama":
+        return transformers.LlamaConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if family in ("qwen3_next", "qwen3_5"):
+        hybrid = dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+        if family == "qwen3_next":
+            return transformers.Qwen3NextConfig(
+                **COMMON, **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, decoder_sparse_step=2,
+            )
+        return transformers.Qwen3_5TextConfig(**COMMON, **hybrid)
+    if family in ("deepseek_v3", "glm_moe_dsa"):
+        mla = dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
+        if family == "deepseek_v3":
+            return transformers.DeepseekV3Config(**COMMON, **mla)
+        return transformers.GlmMoeDsaConfig(
+            **COMMON, **mla, index_topk=4096, index_n_heads=2, index_head_dim=16
+        )
+    raise ValueError(family)
+
+
+FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A random-init causal LM of ``family`` in train mode, eager attention, eager experts."""
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.train()
+
