@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from .adapters import Adapter, adapter_for
+from .estimate import check_budget, estimate_memory
 from .replay import (
     GroupStats,
+    accumulate_state_grads,
     as_leaves,
     backward_prompt,
     capture,
@@ -110,17 +112,26 @@ def group_backward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     stats: GroupStats | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> torch.Tensor:
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
     ``loss_fn(i, logps_i)`` (or ``loss_fn(i, logps_i, entropy_i)`` with ``with_entropy``)
     returns a scalar for response i; ``logps_i`` [T_i] is float32. ``prompt_grad="exact"``
     gives the standard full-sequence gradient; ``"detached"`` holds the prompt state
-    constant (LongStraw paper). Returns the losses [G], detached.
+    constant (LongStraw paper). With ``memory_budget_bytes``, first compare the pre-flight
+    estimate (``verl_longstraw.estimate``: prompt state + state gradients + peak saved for
+    backward) against it and raise MemoryError naming the fix before computing anything.
+    Returns the losses [G], detached.
     """
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
     adapter = validate_group(model, prompt_ids, responses, chunk_size)
+    if memory_budget_bytes is not None:
+        dtype = next(model.parameters()).dtype
+        longest = max(len(r) for r in responses)
+        estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size, prompt_grad, dtype)
+        check_budget(estimate, memory_budget_bytes, chunk_size)
     device = _device(model)
     prompt_ids = prompt_ids.to(device)
     exact = prompt_grad == "exact"
@@ -133,7 +144,7 @@ def group_backward(
     leaves = as_leaves(state, requires_grad=exact)
 
     t0 = time.perf_counter()
-    losses = []
+    losses, state_grads = [], None
     for i, response in enumerate(responses):
         response = response.to(device)
         logits = run_segment(adapter, response_inputs(prompt_ids, response), len(prompt_ids) - 1, leaves, True)
@@ -142,12 +153,14 @@ def group_backward(
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} for response {i}")
         loss.backward()
+        if exact and leaves is not None:
+            state_grads = accumulate_state_grads(leaves, state_grads)
         losses.append(loss.detach())
         stats.response_tokens += len(response)
     stats.replay_s += time.perf_counter() - t0
 
     if exact and leaves is not None:
         t0 = time.perf_counter()
-        backward_prompt(adapter, prompt_ids[:-1], chunk_size, state, leaves)
+        backward_prompt(adapter, prompt_ids[:-1], chunk_size, state, state_grads)
         stats.prompt_backward_s += time.perf_counter() - t0
     return torch.stack(losses)

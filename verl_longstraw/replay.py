@@ -4,8 +4,9 @@ Phases for one GRPO group (prompt ``p`` of P tokens, responses ``r_i``):
 1. capture: run ``p[:-1]`` without autograd, chunk by chunk, keeping each layer's state;
 2. replay: for each response run ``[p[-1]] + r_i[:-1]`` against the state (positions
    P-1 ...), score ``r_i``, and backpropagate its loss at once (one response graph alive);
-3. exact mode: the state was a leaf, so replay left d(sum of losses)/d(state) in its
-   ``.grad``; recompute the prompt chunk by chunk in reverse, from each chunk's boundary
+3. exact mode: the state was a leaf; after each response's backward its ``.grad`` is added
+   into a float32 sum (so bfloat16 models sum the G responses' state gradients in float32),
+   giving d(sum of losses)/d(state); recompute the prompt chunk by chunk in reverse, from each chunk's boundary
    state, and backpropagate those gradients (plus the gradient the later chunks sent back
    into this chunk's rows) into the parameters.
 Each phase runs as one call of the model module and each layer as a call of that layer,
@@ -100,17 +101,40 @@ def as_leaves(state: PromptState, requires_grad: bool) -> list[LayerState] | Non
     ]
 
 
+StateGrads = list[list[torch.Tensor | None]]
+
+
+def accumulate_state_grads(leaves: list[LayerState], grads: StateGrads | None) -> StateGrads:
+    """Add each state leaf's ``.grad`` into ``grads`` (float32, or float64 for float64 state) and clear it.
+
+    Called after every response's backward, so the sum over the G responses accumulates in
+    float32 even for a bfloat16 state; ``grads`` None starts the sums. Returns the sums, one
+    entry per state tensor (None while no gradient reached it).
+    """
+    grads = grads if grads is not None else [[None] * len(layer) for layer in leaves]
+    for layer, sums in zip(leaves, grads):
+        for j, leaf in enumerate(layer):
+            if leaf.grad is None:
+                continue
+            if sums[j] is None:
+                sums[j] = leaf.grad.to(torch.promote_types(leaf.dtype, torch.float32), copy=True)
+            else:
+                sums[j] += leaf.grad
+            leaf.grad = None
+    return grads
+
+
 def backward_prompt(
-    adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, state: PromptState, leaves: list[LayerState]
+    adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, state: PromptState, grads: StateGrads
 ) -> None:
-    """Backpropagate the gradient accumulated on the state ``leaves`` through the prompt ``ids``, in reverse chunks.
+    """Backpropagate the state gradients ``grads`` (``accumulate_state_grads``) through the prompt ``ids``, in reverse chunks.
 
     Chunk k is recomputed from its boundary state (as leaves). Its outputs receive the
-    gradient of its own rows plus, for fixed-size state, the gradient at its end; the
-    gradient it sends into earlier rows is added to those rows, and the gradient of its
-    starting fixed-size state becomes the end gradient of chunk k-1.
+    gradient of its own rows plus, for fixed-size state, the gradient at its end (cast to
+    the output's dtype); the gradient it sends into earlier rows is added to those rows'
+    float32 sums, and the gradient of its starting fixed-size state becomes the end
+    gradient of chunk k-1.
     """
-    grads = [[t.grad for t in layer] for layer in leaves]
     bounds = chunk_bounds(len(ids), chunk_size)
     for index in reversed(range(len(bounds))):
         start, end = bounds[index]
@@ -128,7 +152,7 @@ def backward_prompt(
             for s, out, grad in zip(spec, seg_layer, grad_layer):
                 if grad is not None and out.requires_grad:
                     outputs.append(out)
-                    output_grads.append(grad[..., start:end, :] if s.growing else grad)
+                    output_grads.append((grad[..., start:end, :] if s.growing else grad).to(out.dtype))
         if outputs:
             torch.autograd.backward(outputs, output_grads)
         if past_leaves is None:
@@ -139,7 +163,8 @@ def backward_prompt(
                     grad_layer[j] = leaf.grad
                 elif leaf.grad is not None:
                     if grad_layer[j] is None:
-                        grad_layer[j] = leaf.new_zeros(*leaf.shape[:-2], state.length, leaf.shape[-1])
+                        shape = (*leaf.shape[:-2], state.length, leaf.shape[-1])
+                        grad_layer[j] = leaf.new_zeros(shape, dtype=torch.promote_types(leaf.dtype, torch.float32))
                     grad_layer[j][..., :start, :] += leaf.grad
 
 

@@ -16,19 +16,23 @@ from .blocked_attention import prefix_causal_attention_blocked
 _MASK_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def prefix_causal_mask(prefix_len: int, seg_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive float mask [T, P + T]: 0 where visible, -inf above the segment's diagonal.
+def prefix_causal_mask(
+    prefix_len: int, seg_len: int, dtype: torch.dtype, device: torch.device, groups: int = 1
+) -> torch.Tensor:
+    """Additive float mask [groups * T, P + T]: 0 where visible, -inf above the segment's diagonal
+    (the [T, P + T] pattern repeated ``groups`` times along rows, for folded query heads).
 
     One mask is shared by every layer (CPU SDPA would otherwise copy a bool mask per layer
     and save the copy for backward).
     """
-    key = (prefix_len, seg_len, dtype, device)
+    key = (prefix_len, seg_len, dtype, device, groups)
     mask = _MASK_CACHE.get(key)
     if mask is None:
         if len(_MASK_CACHE) > 8:
             _MASK_CACHE.clear()
         visible = torch.ones(seg_len, prefix_len + seg_len, dtype=torch.bool, device=device).tril(prefix_len)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+        mask = mask.repeat(groups, 1) if groups > 1 else mask
         _MASK_CACHE[key] = mask
     return mask
 
@@ -45,25 +49,32 @@ def prefix_causal_attention_reference(
     """Plain path: concatenate prefix and segment keys, one SDPA call with an explicit mask.
 
     ``attn_mask`` [T, P + T] (additive) replaces the prefix-causal mask, e.g. for sparse selection.
+    The G = Hq // Hk query heads of a group are folded into rows ([B, Hk, G*T, D], mask tiled
+    G times), so no SDPA backend repeats K/V per query head (the math backend does with
+    ``enable_gqa``, e.g. for MLA, whose value dim differs from its key dim).
     """
     k = torch.cat([k_prefix, k_self], dim=-2)
     v = torch.cat([v_prefix, v_self], dim=-2)
-    prefix_len, seg_len = k_prefix.shape[-2], q.shape[-2]
-    if attn_mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
-    if prefix_len == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    mask = prefix_causal_mask(prefix_len, seg_len, q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    batch, q_heads, seg_len, _ = q.shape
+    groups = q_heads // k.shape[1]
+    if attn_mask is None:
+        if groups == 1 and k_prefix.shape[-2] == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups)
+    elif groups > 1:
+        attn_mask = attn_mask.repeat(groups, 1)
+    rows = q.reshape(batch, k.shape[1], groups * seg_len, q.shape[-1])
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask, scale=scale)
+    return out.reshape(batch, q_heads, seg_len, v.shape[-1])
 
 
 MASK_BYTES_LIMIT = 64 * 2**20
 
 
 def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float) -> torch.Tensor:
-    """Dispatch used by the adapters: one SDPA call while its explicit mask [T, P + T] stays small,
+    """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small,
     else the blocked online-softmax op, which saves only inputs, output and logsumexp."""
-    seg_len, total = q.shape[-2], k_prefix.shape[-2] + q.shape[-2]
-    if k_prefix.shape[-2] and seg_len * total * q.element_size() > MASK_BYTES_LIMIT:
+    rows, total = q.shape[-3] // k_prefix.shape[-3] * q.shape[-2], k_prefix.shape[-2] + q.shape[-2]
+    if k_prefix.shape[-2] and rows * total * q.element_size() > MASK_BYTES_LIMIT:
         return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale)
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale)

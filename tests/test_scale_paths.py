@@ -1,0 +1,131 @@
+"""Scale paths equal their references: absorbed MLA vs decompressed K/V, blocked attention vs SDPA,
+MLA replay never saves per-head K/V of the prompt, and bfloat16 replay stays as close to the
+float32 standard path as the bfloat16 standard path is.
+
+Measured bfloat16 errors against the float32 standard path (P=130, G=3, chunk 48, CPU):
+see ``test_bfloat16_matches_float32_standard``; bounds are ~2x the measured values.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+
+import verl_longstraw.ops.attention as attention_ops
+from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw.adapters.mla import MultiHeadLatentAttentionAdapter
+from verl_longstraw.replay import accumulate_state_grads
+
+PROMPT_LEN = 130
+RESPONSE_LENS = (11, 1, 30)
+CHUNK = 48
+BF16_LOG_PROB_TOL = 0.01  # max |log p| error; measured 0.0017-0.0030
+BF16_GRAD_TOL = 0.02  # relative L2 gradient error; measured 0.0067-0.0082
+
+
+def _run(model, prompt, responses, chunk_size):
+    """(log-probs [G] of [T_i], exact gradients by parameter name)."""
+    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
+    return log_probs, grads_of(model)
+
+
+@pytest.mark.parametrize("family", ("deepseek_v3", "glm_moe_dsa"))
+@pytest.mark.parametrize("index_topk", (4096, 64))
+def test_absorbed_mla_equals_decompressed(family, index_topk, monkeypatch):
+    """Absorbed latent attention = per-head decompressed K/V (dense and, for DSA, sparse top-k masks)."""
+    if family == "deepseek_v3" and index_topk != 4096:
+        pytest.skip("no indexer")
+    model = tiny_model(family, index_topk=index_topk) if family == "glm_moe_dsa" else tiny_model(family)
+    prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
+    absorbed_lp, absorbed_grads = _run(model, prompt, responses, CHUNK)
+    monkeypatch.setattr(MultiHeadLatentAttentionAdapter, "absorbed", False)
+    ref_lp, ref_grads = _run(model, prompt, responses, CHUNK)
+    for a, b in zip(absorbed_lp, ref_lp):
+        assert (a - b).abs().max() < 1e-5
+    assert relative_error(absorbed_grads, ref_grads) < 1e-5
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5", "deepseek_v3"))
+def test_blocked_attention_equals_standard(family, monkeypatch):
+    """With every prefix attention on the blocked op, log-probs and chunked exact gradients equal the standard path."""
+    model = tiny_model(family)
+    prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    with torch.no_grad():
+        expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
+    calls = []
+    blocked = attention_ops.prefix_causal_attention_blocked
+    monkeypatch.setattr(attention_ops, "MASK_BYTES_LIMIT", 0)
+    monkeypatch.setattr(attention_ops, "prefix_causal_attention_blocked", lambda *a: calls.append(1) or blocked(*a))
+    log_probs, grads = _run(model, prompt, responses, CHUNK)
+    assert calls, "the blocked op was never dispatched"
+    for lp, ref in zip(log_probs, expected_lp):
+        assert (lp - ref).abs().max() < 1e-5
+    assert relative_error(grads, expected) < 1e-5
+
+
+def _per_head_saved(model, prompt, responses, chunk_size) -> list[tuple[int, ...]]:
+    """Shapes of tensors saved for backward that hold per-head K/V-sized data over the prompt:
+    [..., heads, >= P - 1 rows, head_dim-like]."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dims = {config.qk_nope_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim}
+    found = []
+
+    def pack(t: torch.Tensor):
+        s = t.shape
+        if t.dim() >= 3 and s[-3] == heads and s[-2] >= len(prompt) - 1 and s[-1] in head_dims:
+            found.append(tuple(s))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.zero_grad(set_to_none=True)
+        group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk_size)
+    return found
+
+
+@pytest.mark.parametrize("family", ("deepseek_v3", "glm_moe_dsa"))
+def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
+    model = tiny_model(family)
+    prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
+    assert _per_head_saved(model, prompt, responses, CHUNK) == []
+    monkeypatch.setattr(MultiHeadLatentAttentionAdapter, "absorbed", False)
+    assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
+
+
+@pytest.mark.parametrize("family", ("qwen3_5", "deepseek_v3"))
+def test_bfloat16_matches_float32_standard(family, record_property):
+    """bf16 replay (chunked exact) vs the fp32 standard path: within the bounds above and within
+    1.5x of the error the bf16 standard path itself makes."""
+    model = tiny_model(family)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    standard_bf16 = standard_grads(bf16, prompt, responses, weighted_loss)
+    with torch.no_grad():
+        expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
+    log_probs, grads = _run(bf16, prompt, responses, CHUNK)
+    lp_error = max(float((lp - ref).abs().max()) for lp, ref in zip(log_probs, expected_lp))
+    grad_error = relative_error(grads, expected)
+    record_property("bf16_log_prob_error", lp_error)
+    record_property("bf16_grad_error", grad_error)
+    assert lp_error < BF16_LOG_PROB_TOL
+    assert grad_error < BF16_GRAD_TOL
+    assert grad_error < 1.5 * relative_error(standard_bf16, expected)
+
+
+def test_state_gradients_accumulate_in_float32():
+    """Summing many small bf16 state gradients: a bf16 sum stalls at 1.0 (spacing 2**-7), the fp32 sum does not."""
+    leaf = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    sums = None
+    for step in range(101):
+        (leaf * (1.0 if step == 0 else 1e-3)).sum().backward()
+        sums = accumulate_state_grads([(leaf,)], sums)
+    assert leaf.grad is None and sums[0][0].dtype == torch.float32
+    torch.testing.assert_close(sums[0][0], torch.full_like(sums[0][0], 1.1), rtol=1e-3, atol=0)
