@@ -10,6 +10,8 @@ and, at one size, the relative L2 gradient error of each path against standard.
 
     python benchmarks/bench_core.py                      # full sweep, writes benchmarks/results/core.*
     python benchmarks/bench_core.py --prompt-lens 512 --group-sizes 2 8 --out /tmp/x   # quick
+    python benchmarks/bench_core.py --families all --prompt-lens 16384 --group-sizes 8 \
+        --paths standard chunked_exact --name scale_cpu   # every family at P=16K (issue 5)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from verl_longstraw import group_backward
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
@@ -82,17 +85,17 @@ def measure_one(family: str, prompt_len: int, group_size: int, response_len: int
     )
 
 
-def gradient_errors(family: str, prompt_len: int, group_size: int, response_len: int) -> dict:
+def gradient_errors(family: str, prompt_len: int, group_size: int, response_len: int, paths) -> dict:
     """Relative L2 error of each LongStraw path's gradient against standard's, over all parameters."""
     model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
     prompt, responses = make_group(prompt_len, group_size, response_len)
     grads = {}
-    for path in PATHS:
+    for path in ("standard", *[p for p in paths if p != "standard"]):
         model.zero_grad(set_to_none=True)
         run_path(model, path, prompt, responses)
         grads[path] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
     ref = grads["standard"]
-    return {path: float((grads[path] - ref).norm() / ref.norm()) for path in PATHS[1:]}
+    return {path: float((grads[path] - ref).norm() / ref.norm()) for path in grads if path != "standard"}
 
 
 def machine() -> str:
@@ -100,9 +103,9 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
 
 
-def write_reports(rows: list[dict], errors: dict, out_dir: str, command: str) -> None:
+def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, command: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "core.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(command=command, machine=machine(), rows=rows, gradient_errors=errors), f, indent=1)
     index = {(r["family"], r["P"], r["G"], r["path"]): r for r in rows}
     lines = [
@@ -127,9 +130,9 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, command: str) ->
     for key, errs in errors.items():
         family, setting = key.split(" ", 1)
         lines += [f"| {family} | {setting} | {path} | {err:.2e} |" for path, err in errs.items()]
-    with open(os.path.join(out_dir, "core.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(rows, os.path.join(out_dir, "core.png"))
+    plot(rows, os.path.join(out_dir, f"{name}.png"))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -159,23 +162,27 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), help="family names, or 'all'")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--error-prompt-len", type=int, default=4096)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--name", default="core", help="stem of the result files")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: JSON args of one configuration
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_one(**json.loads(args.one))))
         return
     command = "python benchmarks/bench_core.py " + " ".join(sys.argv[1:])
+    families = list(ALL_FAMILIES) if args.families == ["all"] else args.families
+    paths = ["standard", *[p for p in args.paths if p != "standard"]]  # ratios need standard
     rows, errors = [], {}
-    for family in args.families:
+    for family in families:
         for p in args.prompt_lens:
             for g in args.group_sizes:
-                for path in PATHS:
+                for path in paths:
                     spec = dict(family=family, prompt_len=p, group_size=g, response_len=args.response_len, path=path)
                     out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
                     if out.returncode != 0:
@@ -185,10 +192,12 @@ def main() -> None:
                     print(f"{family:12s} P={p:6d} G={g} {path:14s} saved {r['saved_peak_mb']:9.1f} MB  "
                           f"cpu {r['cpu_s']:7.2f} s  rss +{r['rss_growth_mb']:.0f} MB", flush=True)
         setting = f"P={args.error_prompt_len} G={max(args.group_sizes)} T={args.response_len}"
-        errors[f"{family} {setting}"] = gradient_errors(family, args.error_prompt_len, max(args.group_sizes), args.response_len)
+        errors[f"{family} {setting}"] = gradient_errors(
+            family, args.error_prompt_len, max(args.group_sizes), args.response_len, paths
+        )
         print(f"{family:12s} gradient errors vs standard ({setting}): {errors[f'{family} {setting}']}", flush=True)
-    write_reports(rows, errors, args.out, command)
-    print(f"wrote {args.out}/core.json, core.md, core.png")
+    write_reports(rows, errors, args.out, args.name, command)
+    print(f"wrote {args.out}/{args.name}.json, .md, .png")
 
 
 if __name__ == "__main__":
