@@ -54,7 +54,7 @@ def _sparse_mask(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, inte
     weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [1, S, H]
     scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * indexer.softmax_scale)
     index_scores = torch.einsum("bsht,bsh->bst", scores, weights)[0]
-    causal = prefix_causal_mask(total - seg, seg, index_scores.dtype, index_scores.device)
+    causal = prefix_causal_mask(total - seg, seg, index_scores.dtype, index_scores.device, cache=ctx.scratch)
     top = (index_scores + causal).topk(min(indexer.index_topk, total), dim=-1).indices
     selected = torch.full((seg, total), float("-inf"), dtype=dtype, device=x.device).scatter_(-1, top, 0.0)
     return selected + causal.to(dtype)
@@ -121,7 +121,9 @@ class MultiHeadLatentAttentionAdapter(Adapter):
             query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
             prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, S, rank + rope]
             if mask is None:
-                out = prefix_causal_attention(query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling)
+                out = prefix_causal_attention(
+                    query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, cache=ctx.scratch
+                )
             else:
                 out = prefix_causal_attention_reference(
                     query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, attn_mask=mask

@@ -13,27 +13,24 @@ import torch.nn.functional as F
 
 from .blocked_attention import prefix_causal_attention_blocked
 
-_MASK_CACHE: dict[tuple, torch.Tensor] = {}
-
-
 def prefix_causal_mask(
-    prefix_len: int, seg_len: int, dtype: torch.dtype, device: torch.device, groups: int = 1
+    prefix_len: int, seg_len: int, dtype: torch.dtype, device: torch.device, groups: int = 1, cache: dict | None = None
 ) -> torch.Tensor:
     """Additive float mask [groups * T, P + T]: 0 where visible, -inf above the segment's diagonal
     (the [T, P + T] pattern repeated ``groups`` times along rows, for folded query heads).
 
-    One mask is shared by every layer (CPU SDPA would otherwise copy a bool mask per layer
-    and save the copy for backward).
+    Pass one segment's ``cache`` (a dict living as long as the segment) so every layer
+    shares one mask (CPU SDPA would otherwise copy a bool mask per layer and save the copy
+    for backward) and the mask is freed with the segment.
     """
-    key = (prefix_len, seg_len, dtype, device, groups)
-    mask = _MASK_CACHE.get(key)
+    key = ("prefix_causal_mask", prefix_len, seg_len, dtype, device, groups)
+    mask = cache.get(key) if cache is not None else None
     if mask is None:
-        if len(_MASK_CACHE) > 8:
-            _MASK_CACHE.clear()
         visible = torch.ones(seg_len, prefix_len + seg_len, dtype=torch.bool, device=device).tril(prefix_len)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
         mask = mask.repeat(groups, 1) if groups > 1 else mask
-        _MASK_CACHE[key] = mask
+        if cache is not None:
+            cache[key] = mask
     return mask
 
 
@@ -45,6 +42,7 @@ def prefix_causal_attention_reference(
     v_self: torch.Tensor,
     scale: float,
     attn_mask: torch.Tensor | None = None,
+    cache: dict | None = None,
 ) -> torch.Tensor:
     """Plain path: concatenate prefix and segment keys, one SDPA call with an explicit mask.
 
@@ -58,9 +56,9 @@ def prefix_causal_attention_reference(
     batch, q_heads, seg_len, _ = q.shape
     groups = q_heads // k.shape[1]
     if attn_mask is None:
-        if groups == 1 and k_prefix.shape[-2] == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups)
+        if k_prefix.shape[-2] == 0 and (groups == 1 or v.shape[-1] == q.shape[-1]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
+        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups, cache)
     elif groups > 1:
         attn_mask = attn_mask.repeat(groups, 1)
     rows = q.reshape(batch, k.shape[1], groups * seg_len, q.shape[-1])
@@ -68,13 +66,13 @@ def prefix_causal_attention_reference(
     return out.reshape(batch, q_heads, seg_len, v.shape[-1])
 
 
-MASK_BYTES_LIMIT = 64 * 2**20
+MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond this the blocked op is leaner
 
 
-def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float) -> torch.Tensor:
+def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float, cache: dict | None = None) -> torch.Tensor:
     """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small,
     else the blocked online-softmax op, which saves only inputs, output and logsumexp."""
     rows, total = q.shape[-3] // k_prefix.shape[-3] * q.shape[-2], k_prefix.shape[-2] + q.shape[-2]
     if k_prefix.shape[-2] and rows * total * q.element_size() > MASK_BYTES_LIMIT:
         return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale)
-    return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale)
+    return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, cache=cache)
