@@ -1,0 +1,186 @@
+"""Build veRL engines (stock fsdp2 and longstraw) on tiny saved models, and veRL 0.9.1 batches."""
+
+import os
+from functools import partial
+
+import numpy as np
+import torch
+import verl  # noqa: F401  (loads the verl.plugins entry point: CPU platform + longstraw engine)
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from verl_longstraw.integration.config import LongStrawActorConfig, LongStrawConfig
+from verl_longstraw.integration.engine import LongStrawEngine
+from verl_longstraw.tiny import VOCAB, tiny_config
+
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def init_dist(rank: int = 0, world_size: int = 1, port: int = 29533) -> None:
+    if torch.distributed.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def save_tiny_model(family: str, path: str, **overrides) -> str:
+    """Random-init tiny `family` model (``overrides`` set config fields) saved for veRL to load."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def actor_config(strategy: str, loss_agg_mode: str, use_kl: bool, entropy_coeff: float, mbs: int, **longstraw):
+    """veRL actor config (policy loss settings + FSDP engine config, fp32, no compile)."""
+    common = dict(
+        rollout_n=1,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=mbs,
+        loss_agg_mode=loss_agg_mode,
+        use_kl_loss=use_kl,
+        kl_loss_coef=0.1,
+        entropy_coeff=entropy_coeff,
+        use_torch_compile=False,
+        fsdp_config=FSDPEngineConfig(
+            strategy="fsdp2",
+            model_dtype="fp32",
+            mixed_precision=FP32,
+            use_torch_compile=False,
+            use_dynamic_bsz=False,
+        ),
+    )
+    if strategy == "longstraw":
+        return LongStrawActorConfig(strategy="longstraw", longstraw=LongStrawConfig(**longstraw), **common)
+    return FSDPActorConfig(strategy="fsdp2", **common)
+
+
+def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1):
+    """An initialized engine: veRL's FSDPEngineWithLMHead (fsdp2) or LongStrawEngine."""
+    model_config = HFModelConfig(
+        path=model_path,
+        load_tokenizer=False,
+        use_remove_padding=False,
+        enable_gradient_checkpointing=True,
+        override_config={"attn_implementation": "sdpa"},
+    )
+    engine_config = config.engine
+    engine_config.micro_batch_size_per_gpu = mbs
+    engine_config.infer_micro_batch_size_per_gpu = mbs
+    optim = FSDPOptimizerConfig(optimizer="SGD", lr=lr, weight_decay=0.0, clip_grad=1e9, total_training_steps=1)
+    cls = LongStrawEngine if strategy == "longstraw" else FSDPEngineWithLMHead
+    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim, checkpoint_config=None)
+    engine.initialize()
+    return engine
+
+
+def make_batch(
+    n_groups: int,
+    group_size: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    rank: int = 0,
+    world_size: int = 1,
+    prompt_len: tuple[int, int] = (4, 12),
+    response_len: tuple[int, int] = (2, 9),
+):
+    """GRPO batch in veRL 0.9.1's layout: no-padding nested input_ids, `uid`, rows shuffled.
+
+    Lengths are drawn from the half-open ranges `prompt_len` and `response_len`. Returns this
+    rank's contiguous slice (rows are shuffled first, so groups split across ranks and
+    micro-batches).
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(lengths: tuple[int, int]) -> torch.Tensor:
+        return torch.randint(1, VOCAB, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g)
+
+    prompts, responses, uids = [], [], []
+    for k in range(n_groups):
+        prompt = tokens(prompt_len)
+        for _ in range(group_size):
+            prompts.append(prompt)
+            responses.append(tokens(response_len))
+            uids.append(f"uid-{k}")
+    n = len(prompts)
+    p_max, r_max = max(len(p) for p in prompts), max(len(r) for r in responses)
+    prompt_pad = torch.zeros(n, p_max, dtype=torch.long)
+    resp_pad = torch.zeros(n, r_max, dtype=torch.long)
+    attn = torch.zeros(n, p_max + r_max, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        prompt_pad[i, p_max - len(p) :] = p
+        resp_pad[i, : len(r)] = r
+        attn[i, p_max - len(p) : p_max + len(r)] = 1
+    response_mask = attn[:, p_max:].clone()
+    response_mask[0, 1] = 0  # a masked-out token inside a response (e.g. tool output)
+    perm = torch.randperm(n, generator=g)
+    tensors = {
+        "prompts": prompt_pad,
+        "responses": resp_pad,
+        "input_ids": torch.cat([prompt_pad, resp_pad], dim=1),
+        "attention_mask": attn,
+        "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask,
+        "old_log_probs": -torch.rand(n, r_max, generator=g) * 3 - 3.5,
+        "ref_log_prob": -torch.rand(n, r_max, generator=g) * 3 - 3.5,
+        "advantages": torch.randn(n, 1, generator=g).expand(n, r_max).contiguous(),
+    }
+    tensors = {k: v[perm] for k, v in tensors.items()}
+    uid = np.array(uids, dtype=object)[perm.numpy()]
+    rows = slice(rank * n // world_size, (rank + 1) * n // world_size)
+    proto = DataProto.from_dict(
+        tensors={k: v[rows] for k, v in tensors.items()},
+        non_tensors={"uid": uid[rows]},
+        meta_info={"temperature": temperature},
+    )
+    td = left_right_2_no_padding(proto.to_tensordict())
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        use_fused_kernels=False,
+        global_batch_size=n,
+    )
+    return td
+
+
+def compute_log_prob(engine, td, micro_batch_size: int):
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, micro_batch_size_per_gpu=micro_batch_size)
+    with engine.eval_mode():
+        out = engine.infer_batch(td, loss_function=None)
+    return out["model_output"]
+
+
+def train_step(engine, td, config, micro_batch_size: int):
+    """One update_actor step; returns (full gradients, full parameters after the step, metrics)."""
+    tu.assign_non_tensor(
+        td, calculate_entropy=config.entropy_coeff != 0, compute_loss=True, micro_batch_size_per_gpu=micro_batch_size
+    )
+    loss_fn = partial(ppo_loss, config=config)
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+        grads = {n: full(p.grad).clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        engine.optimizer_step()
+    params = {n: full(p.data).clone() for n, p in engine.module.named_parameters()}
+    return grads, params, out["metrics"]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    """Relative L2 difference over all tensors of two name -> tensor dicts with equal keys."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / max(den, 1e-30)) ** 0.5

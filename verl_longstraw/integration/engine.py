@@ -1,0 +1,213 @@
+"""The `longstraw` engine backend: veRL's FSDP2 engine with capture-once, replay-per-response passes.
+
+Model building, FSDP2 wrapping, offload, checkpoints, the reference model and weight export
+are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differs:
+
+- forward (log-probs): regroup the micro-batch by (uid, prompt), run `group_log_probs` once
+  per fragment, and return veRL's nested `log_probs`/`entropy` over prompt + response.
+- training: evaluate veRL's own loss function (e.g. `ppo_loss` with the global normalisers)
+  on those log-probs, take its gradient with respect to every token's log-prob/entropy, and
+  backpropagate that through `group_backward` per fragment. By the chain rule this is the
+  gradient of veRL's loss for any policy loss and `loss_agg_mode`, including losses that do
+  not split into per-response terms; the cost is one extra capture + replay forward per
+  fragment.
+"""
+
+import copy
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name, get_torch_device
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+from verl_longstraw import GroupStats, group_backward, group_log_probs
+
+from .config import STRATEGY, as_longstraw_config, check_supported
+from .fsdp2 import held_unsharded, sync_gradients
+from .regroup import Fragment, check_positions, gather_response_values, regroup, sample_uids, scatter_response_values
+
+
+@EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
+class LongStrawEngine(FSDPEngineWithLMHead):
+    """FSDP2 engine whose forward/backward captures each prompt once and replays its responses."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        self.longstraw = as_longstraw_config(getattr(engine_config, "longstraw", None))
+        check_supported(engine_config, where="engine")
+        # veRL's FSDP engine builds only for fsdp/fsdp2 (it reads engine_config.strategy).
+        engine_config = copy.copy(engine_config)
+        object.__setattr__(engine_config, "strategy", "fsdp2")
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
+    @property
+    def _device(self) -> str:
+        device_id = get_device_id()
+        return str(device_id) if get_device_name() == "cpu" else f"{get_device_name()}:{device_id}"
+
+    def _autocast(self):
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        if dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False) -> dict:
+        """Same contract as veRL's FSDP engine; gradients are reduce-scattered once per mini-batch
+        (or once per micro-batch with `use_no_sync_for_gradient_accumulation=False`)."""
+        tu.assign_non_tensor(data, sp_size=1)
+        if "loss_mask" in data.keys():
+            batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+            torch.distributed.all_reduce(
+                batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=self.get_data_parallel_group()
+            )
+            tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        uids = sample_uids(data)
+        micro_batches, indices = prepare_micro_batches(
+            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        )
+        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        outputs = []
+        for idx, micro_batch in enumerate(micro_batches):
+            sync = not forward_only and (idx == len(micro_batches) - 1 or not defer_sync)
+            with held_unsharded(self.module), torch.profiler.record_function(f"micro_batch{idx}"):
+                _, output = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+                if sync:
+                    sync_gradients(self.module, self._device, getattr(self, "_autocast_dtype", torch.bfloat16))
+            outputs.append(output)
+        result = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        result["metrics"]["longstraw/groups"] = Metric(AggregationType.SUM, float(len(set(uids or []))))
+        return result
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        """Log-probs (and entropy) of one micro-batch, its loss, and, when training, its gradient.
+
+        Returns (loss, output) like veRL's engine, but the backward has already run: the
+        returned loss is detached.
+        """
+        micro_batch = micro_batch.to(get_device_id())
+        self._check_request(micro_batch)
+        check_positions(micro_batch)
+        fragments = regroup(micro_batch)
+        calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
+        return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
+        stats = GroupStats()
+        log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats)
+
+        offsets = micro_batch["input_ids"].offsets()
+        lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(not forward_only)
+        model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp_flat, offsets)}
+        ent_flat = None
+        if calculate_entropy:
+            ent_flat = scatter_response_values(entropy, micro_batch).requires_grad_(not forward_only)
+            model_output["entropy"] = torch.nested.nested_tensor_from_jagged(ent_flat, offsets)
+
+        if loss_function is not None:
+            with torch.enable_grad() if not forward_only else nullcontext(), self._autocast():
+                loss, metrics = loss_function(
+                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+                )
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss, metrics = torch.tensor(1.0, device=get_device_id()), {}
+
+        metrics = dict(metrics)
+        metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(fragments)))
+        if not forward_only:
+            self._backward(fragments, loss, lp_flat, ent_flat, micro_batch, stats)
+        metrics.update(_stats_metrics(stats))
+
+        output = {"loss": loss.detach().item(), "metrics": metrics}
+        if forward_only or return_model_output:
+            output["model_output"] = detach_tree(model_output)
+        return loss.detach(), output
+
+    def _check_request(self, micro_batch: TensorDict) -> None:
+        for key in ("use_fused_kernels", "calculate_sum_pi_squared", "distillation_use_topk"):
+            if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
+                raise ValueError(f"strategy=longstraw does not support {key}=True; turn it off for this actor.")
+
+    def _log_probs(
+        self, fragments: list[Fragment], batch_size: int, calculate_entropy: bool, stats: GroupStats
+    ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd."""
+        log_probs: list[Any] = [None] * batch_size
+        entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
+        with torch.no_grad(), self._autocast():
+            for frag in fragments:
+                out = group_log_probs(
+                    self.module,
+                    frag.prompt_ids,
+                    frag.responses,
+                    temperature=frag.temperature,
+                    chunk_size=self.longstraw.chunk_size,
+                    return_entropy=calculate_entropy,
+                    stats=stats,
+                )
+                lps, ents = out if calculate_entropy else (out, None)
+                for k, row in enumerate(frag.rows):
+                    log_probs[row] = lps[k].float()
+                    if ents is not None:
+                        entropy[row] = ents[k].float()
+        return log_probs, entropy
+
+    def _backward(
+        self,
+        fragments: list[Fragment],
+        loss: torch.Tensor,
+        lp_flat: torch.Tensor,
+        ent_flat: Optional[torch.Tensor],
+        micro_batch: TensorDict,
+        stats: GroupStats,
+    ) -> None:
+        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy)."""
+        scaler = getattr(self, "scaler", None)
+        scaled = scaler.scale(loss) if scaler is not None else loss
+        leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
+        grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
+        g_lp = gather_response_values(_zeros_if_none(grads[0], lp_flat), micro_batch)
+        g_ent = None
+        if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):
+            g_ent = gather_response_values(grads[1], micro_batch)
+
+        for frag in fragments:
+
+            def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, frag=frag):
+                row = frag.rows[i]
+                term = (g_lp[row] * logps.float()).sum()
+                if entropy is not None:
+                    term = term + (g_ent[row] * entropy.float()).sum()
+                return term
+
+            with self._autocast():
+                group_backward(
+                    self.module,
+                    frag.prompt_ids,
+                    frag.responses,
+                    loss_fn,
+                    prompt_grad=self.longstraw.prompt_grad,
+                    chunk_size=self.longstraw.chunk_size,
+                    temperature=frag.temperature,
+                    with_entropy=g_ent is not None,
+                    stats=stats,
+                )
+
+
+def _stats_metrics(stats: GroupStats) -> dict[str, Metric]:
+    """Per-micro-batch LongStraw metrics; seconds and counts sum over micro-batches, sizes take the max."""
+    return {
+        "longstraw/prompt_state_bytes": Metric(AggregationType.MAX, float(stats.prompt_state_bytes)),
+        "longstraw/capture_seconds": Metric(AggregationType.SUM, stats.capture_s),
+        "longstraw/replay_seconds": Metric(AggregationType.SUM, stats.replay_s),
+        "longstraw/prompt_backward_seconds": Metric(AggregationType.SUM, stats.prompt_backward_s),
+        "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
+    }
+
+
+def _zeros_if_none(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad

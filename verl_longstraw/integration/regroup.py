@@ -1,0 +1,118 @@
+"""Regroup a micro-batch's samples into prompt groups (fragments of GRPO groups)."""
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from tensordict import TensorDict
+
+
+@dataclass
+class Fragment:
+    """Samples of one micro-batch that share a prompt.
+
+    prompt_ids: [P] prompt tokens (no padding); rows: micro-batch rows of the samples;
+    responses: [T_i] response tokens per row; temperature: the rows' common sampling temperature.
+    """
+
+    prompt_ids: torch.Tensor
+    rows: list[int]
+    responses: list[torch.Tensor]
+    temperature: float
+
+
+def prompt_lengths(data: TensorDict) -> torch.Tensor:
+    """[B] unpadded prompt length per sample, in veRL 0.9.1's no-padding layout."""
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff()
+    return data["attention_mask"][:, : prompts.shape[1]].sum(dim=1)
+
+
+def sample_uids(data: TensorDict) -> Optional[list[Any]]:
+    """Per-sample group ids (`uid`) when the batch carries them."""
+    if "uid" not in data.keys():
+        return None
+    uids = data["uid"]
+    if hasattr(uids, "tolist"):
+        uids = uids.tolist()
+    return list(uids)
+
+
+def sample_temperatures(data: TensorDict, batch_size: int) -> list[float]:
+    """Per-sample temperature: veRL passes a scalar or a [B] tensor."""
+    temperature = data["temperature"] if "temperature" in data.keys() else 1.0
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        return [float(t) for t in temperature.reshape(-1).tolist()]
+    return [float(temperature)] * batch_size
+
+
+def regroup(data: TensorDict) -> list[Fragment]:
+    """Group the rows of a no-padding micro-batch by (uid, prompt tokens, temperature).
+
+    `input_ids` is a nested [B, P_i + T_i] tensor; each fragment keeps first-seen row order.
+    Rows sharing a prompt but not a uid stay in separate fragments, as do rows whose
+    temperatures differ (one capture serves one temperature).
+    """
+    input_ids = data["input_ids"]
+    offsets = input_ids.offsets().tolist()
+    values = input_ids.values()
+    lengths = prompt_lengths(data).tolist()
+    batch_size = len(offsets) - 1
+    uids = sample_uids(data) or [None] * batch_size
+    temperatures = sample_temperatures(data, batch_size)
+    fragments: dict[tuple, Fragment] = {}
+    for row in range(batch_size):
+        start, end, p = offsets[row], offsets[row + 1], int(lengths[row])
+        if p < 1 or end - start - p < 1:
+            raise ValueError(
+                f"sample {row} has prompt length {p} and response length {end - start - p}; "
+                "LongStraw needs at least one prompt and one response token."
+            )
+        prompt, response = values[start : start + p], values[start + p : end]
+        key = (uids[row], tuple(prompt.tolist()), temperatures[row])
+        if key not in fragments:
+            fragments[key] = Fragment(prompt, [], [], temperatures[row])
+        fragments[key].rows.append(row)
+        fragments[key].responses.append(response)
+    return list(fragments.values())
+
+
+def check_positions(data: TensorDict) -> None:
+    """LongStraw places tokens at positions 0..L-1; reject other layouts (e.g. 3-D mrope)."""
+    position_ids = data["position_ids"]
+    if position_ids.dim() != 2:
+        raise ValueError("LongStraw supports 1-D position ids only (text models); got multimodal position ids.")
+    offsets = position_ids.offsets()
+    expected = torch.cat([torch.arange(int(n), device=offsets.device) for n in offsets.diff().tolist()])
+    if not torch.equal(position_ids.values().to(expected.device), expected):
+        raise ValueError("LongStraw requires position_ids = 0..L-1 per sample (no packing, no offsets).")
+
+
+def scatter_response_values(
+    per_row: Sequence[Optional[torch.Tensor]], data: TensorDict, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Place each row's [T_i] response values at positions P_i-1 .. P_i+T_i-2 of a [total] flat tensor.
+
+    That is veRL's layout for log_probs/entropy over prompt + response (position t scores token t+1);
+    other positions are zero.
+    """
+    input_ids = data["input_ids"]
+    offsets = input_ids.offsets().tolist()
+    lengths = prompt_lengths(data).tolist()
+    out = torch.zeros(offsets[-1], dtype=dtype, device=input_ids.values().device)
+    for row, vals in enumerate(per_row):
+        start = offsets[row] + int(lengths[row]) - 1
+        out[start : start + vals.numel()] = vals
+    return out
+
+
+def gather_response_values(flat: torch.Tensor, data: TensorDict) -> list[torch.Tensor]:
+    """Inverse of `scatter_response_values`: per-row [T_i] views of a [total] flat tensor."""
+    offsets = data["input_ids"].offsets().tolist()
+    lengths = prompt_lengths(data).tolist()
+    out = []
+    for row in range(len(offsets) - 1):
+        start = offsets[row] + int(lengths[row]) - 1
+        out.append(flat[start : offsets[row + 1] - 1])
+    return out
