@@ -4,7 +4,8 @@ For each family x prompt length P x group size G (responses of T tokens) it meas
 configuration in a fresh process:
 - peak bytes saved for backward (verl_longstraw.memory, parameters excluded),
 - process peak RSS growth over the loaded model (MB; includes state, gradients and allocator slack),
-- wall and CPU seconds of one group's forward + backward;
+- wall and CPU seconds of one group's forward + backward (one thread, so that CPU seconds
+  count work rather than threads spinning on a shared machine);
 and, at one size, the relative L2 gradient error of each path against standard.
 "standard" is one micro-batch holding the G sequences prompt ++ response (what veRL runs).
 
@@ -68,7 +69,7 @@ def run_path(model, path: str, prompt, responses) -> None:
 
 def measure_one(family: str, prompt_len: int, group_size: int, response_len: int, path: str) -> dict:
     """One configuration (run in its own process so peak RSS is its own)."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
     prompt, responses = make_group(prompt_len, group_size, response_len)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
