@@ -60,8 +60,7 @@ else
     export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 PYTHONWARNINGS=ignore
     if [[ "$STRATEGY" == "longstraw" ]]; then
         # the shipped config (extends veRL's ppo_trainer): GRPO, longstraw actor/ref, group-balancing trainer mode
-        CONFIG=(--config-path "$("$PY" -c 'import os, verl_longstraw.integration as m; print(os.path.dirname(m.__file__))')/configs"
-                --config-name longstraw_grpo)
+        CONFIG=(--config-path "$REPO/verl_longstraw/integration/configs" --config-name longstraw_grpo)
     else
         CONFIG=()
         # veRL registers its FSDP engine for cuda/npu only; it runs unchanged on CPU.
