@@ -126,10 +126,13 @@ class _Shapes:
         return 4 * (GDN_MIXER * widths + GDN_CHUNK * c.linear_num_value_heads * GDN_CHUNK_LEN)
 
     def attention_rows(self, kind: str) -> int:
-        """Query rows per key head per token (GQA group, or all MLA heads over one latent head)."""
+        """Mask rows per token: the query heads of a key head where the reference folds them into
+        rows (MLA's one latent head, or a single key head), else 1."""
+        heads = self.config.num_attention_heads
         if kind == "mla":
-            return self.config.num_attention_heads
-        return self.config.num_attention_heads // self.kv_heads
+            return heads
+        folded = attention_ops.folds_query_heads(heads, self.kv_heads, self.head_dim, self.head_dim)
+        return heads // self.kv_heads if folded else 1
 
     def segment_saved(self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool) -> int:
         """Saved bytes of one segment of ``tokens`` after ``prefix`` state rows (buffers of ``state_len`` rows)."""

@@ -34,6 +34,13 @@ def prefix_causal_mask(
     return mask
 
 
+def folds_query_heads(q_heads: int, k_heads: int, qk_dim: int, v_dim: int) -> bool:
+    """Whether the reference folds grouped query heads into rows: SDPA's fused CPU kernel shares
+    key heads itself (``enable_gqa``) only when value and key dims match and there are several
+    key heads; otherwise a backend would repeat K/V per query head."""
+    return q_heads > k_heads and (v_dim != qk_dim or k_heads == 1)
+
+
 def prefix_causal_attention_reference(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
@@ -47,20 +54,23 @@ def prefix_causal_attention_reference(
     """Plain path: concatenate prefix and segment keys, one SDPA call with an explicit mask.
 
     ``attn_mask`` [T, P + T] (additive) replaces the prefix-causal mask, e.g. for sparse selection.
-    The G = Hq // Hk query heads of a group are folded into rows ([B, Hk, G*T, D], mask tiled
-    G times), so no SDPA backend repeats K/V per query head (the math backend does with
-    ``enable_gqa``, e.g. for MLA, whose value dim differs from its key dim).
+    Where SDPA's fused CPU kernel cannot share key heads (value dim != key dim, as in MLA, or a
+    single key head) the G = Hq // Hk query heads of a group are folded into rows
+    ([B, Hk, G*T, D], mask tiled G times), so no backend repeats K/V per query head.
     """
     k = torch.cat([k_prefix, k_self], dim=-2)
     v = torch.cat([v_prefix, v_self], dim=-2)
     batch, q_heads, seg_len, _ = q.shape
     groups = q_heads // k.shape[1]
+    fold = folds_query_heads(q_heads, k.shape[1], q.shape[-1], v.shape[-1])
     if attn_mask is None:
-        if k_prefix.shape[-2] == 0 and (groups == 1 or v.shape[-1] == q.shape[-1]):
+        if k_prefix.shape[-2] == 0 and not fold:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
-        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups, cache)
-    elif groups > 1:
+        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups if fold else 1, cache)
+    elif fold:
         attn_mask = attn_mask.repeat(groups, 1)
+    if not fold:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
     rows = q.reshape(batch, k.shape[1], groups * seg_len, q.shape[-1])
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask, scale=scale)
     return out.reshape(batch, q_heads, seg_len, v.shape[-1])
@@ -72,7 +82,9 @@ MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond
 def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float, cache: dict | None = None) -> torch.Tensor:
     """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small,
     else the blocked online-softmax op, which saves only inputs, output and logsumexp."""
-    rows, total = q.shape[-3] // k_prefix.shape[-3] * q.shape[-2], k_prefix.shape[-2] + q.shape[-2]
+    q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
+    folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
+    rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
     if k_prefix.shape[-2] and rows * total * q.element_size() > MASK_BYTES_LIMIT:
         return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale)
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, cache=cache)
