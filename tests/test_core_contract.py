@@ -9,6 +9,7 @@ from verl_longstraw import UnsupportedModelError, group_backward, group_log_prob
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.replay import capture
+from verl_longstraw.tiny import DENSE_VARIANTS
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
@@ -25,6 +26,19 @@ def test_memory_flat_in_group_size(family, prompt_grad, chunk_size):
     small = _peak_saved_bytes(model, 2, prompt_grad, chunk_size)
     large = _peak_saved_bytes(model, 8, prompt_grad, chunk_size)
     assert large <= 1.05 * small, (small, large)
+
+
+@pytest.mark.parametrize("family", DENSE_VARIANTS)
+def test_dense_variants_match_standard(family):
+    model = tiny_model(family)
+    prompt, responses = make_group(VOCAB, 150, (12, 5))
+    lp = group_log_probs(model, prompt, responses, chunk_size=64)
+    with torch.no_grad():
+        assert max((a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses)) < 1e-5
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=64)
+    assert relative_error(grads_of(model), expected) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])

@@ -28,8 +28,10 @@ def _base_config(family: str):
         return transformers.Qwen3Config(
             **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
         )
-    if family == "llama":
-        return transformers.LlamaConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if family in ("llama", "qwen2", "mistral"):
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                        "mistral": transformers.MistralConfig}[family]
+        return config_class(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     if family in ("qwen3_next", "qwen3_5"):
         hybrid = dict(
             num_hidden_layers=4,
@@ -74,7 +76,8 @@ def _base_config(family: str):
     raise ValueError(family)
 
 
-FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")
+FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
+DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
