@@ -15,8 +15,7 @@ so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,8 +33,6 @@ class GroupStats:
     replay_s: float = 0.0
     prompt_backward_s: float = 0.0
     response_tokens: int = 0
-    chunks: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def chunk_bounds(length: int, chunk_size: int | None) -> list[tuple[int, int]]:

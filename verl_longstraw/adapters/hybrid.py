@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..state import LayerState, StateSpec
-from .base import Adapter, SegmentContext, register
+from .base import Adapter, register
 from .dense import KV_SPEC, attention_mix, empty_kv
 
 RECURRENT_SPEC = (StateSpec(growing=False), StateSpec(growing=False))
