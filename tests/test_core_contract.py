@@ -41,6 +41,23 @@ def test_dense_variants_match_standard(family):
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
+def test_qwen3_5_vision_language_checkpoint_on_text():
+    """model_type qwen3_5 (the vision-language class real checkpoints use): the text stack replays exactly."""
+    import transformers
+
+    from verl_longstraw.tiny import tiny_config
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5Config(text_config=tiny_config("qwen3_5").to_dict(), vision_config=vision)
+    config._attn_implementation = "sdpa"
+    model = transformers.Qwen3_5ForConditionalGeneration(config).train()
+    prompt, responses = make_group(VOCAB, 50, (7, 3))
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=16)
+    assert relative_error(grads_of(model), expected) < 1e-5
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
 def test_mla_state_is_latent_only(family):
     model = tiny_model(family)

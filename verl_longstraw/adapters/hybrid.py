@@ -55,7 +55,7 @@ def gated_deltanet_mix(mixer: nn.Module, x: torch.Tensor, past: LayerState) -> t
 
 @register
 class HybridGatedDeltaNetAdapter(Adapter):
-    model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+    model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 
     def _is_linear(self, idx: int) -> bool:
         return self.config.layer_types[idx] == "linear_attention"
