@@ -48,10 +48,14 @@ def test_absorbed_mla_equals_decompressed(family, overrides, monkeypatch):
     assert relative_error(absorbed_grads, ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("family", ("qwen3", "qwen3_5", "deepseek_v3"))
-def test_blocked_attention_equals_standard(family, monkeypatch):
-    """With every prefix attention on the blocked op, log-probs and chunked exact gradients equal the standard path."""
-    model = tiny_model(family)
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("qwen3", {}), ("qwen3_5", {}), ("deepseek_v3", {}), ("glm_moe_dsa", {"index_topk": 24, "index_n_heads": 16})],
+)
+def test_blocked_attention_equals_standard(family, overrides, monkeypatch):
+    """With every prefix attention on the blocked op (for DSA with its sparse top-k key mask),
+    log-probs and chunked exact gradients equal the standard path."""
+    model = tiny_model(family, **overrides)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
     expected = standard_grads(model, prompt, responses, weighted_loss)
     with torch.no_grad():
@@ -59,7 +63,7 @@ def test_blocked_attention_equals_standard(family, monkeypatch):
     calls = []
     blocked = attention_ops.prefix_causal_attention_blocked
     monkeypatch.setattr(attention_ops, "MASK_BYTES_LIMIT", 0)
-    monkeypatch.setattr(attention_ops, "prefix_causal_attention_blocked", lambda *a: calls.append(1) or blocked(*a))
+    monkeypatch.setattr(attention_ops, "prefix_causal_attention_blocked", lambda *a, **k: calls.append(1) or blocked(*a, **k))
     log_probs, grads = _run(model, prompt, responses, CHUNK)
     assert calls, "the blocked op was never dispatched"
     for lp, ref in zip(log_probs, expected_lp):

@@ -58,6 +58,36 @@ def test_matches_reference(case: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[dtype], rtol=0, msg=name)
 
 
+def sparse_key_mask(seg_len: int, prefix_len: int, keep: float, hide_first_block_rows: int = 0) -> torch.Tensor:
+    """Random bool selection [T, P + T] that keeps each query's own position; the first
+    ``hide_first_block_rows`` queries see no prefix key at all (blocks with no visible key)."""
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(seg_len, prefix_len + seg_len, generator=gen) < keep
+    mask[torch.arange(seg_len), prefix_len + torch.arange(seg_len)] = True
+    mask[:hide_first_block_rows, :prefix_len] = False
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["gqa", "mqa_mla_dv", "mha_blocks_divide"])
+def test_sparse_key_mask_matches_reference(case: str, dtype: torch.dtype) -> None:
+    """DSA-style top-k selection: blocked op with a bool key mask == SDPA with the additive mask."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, block_size = CASES[case]
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, dtype)
+    key_mask = sparse_key_mask(seg_len, prefix_len, keep=0.4, hide_first_block_rows=2)
+    out, grads = run_with_grads(prefix_causal_attention_blocked, inputs, dim**-0.5, block_size=block_size, key_mask=key_mask)
+    ref_out, ref_grads = run_with_grads(prefix_causal_attention_reference, inputs, dim**-0.5, key_mask=key_mask)
+    torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=0)
+    for name in NAMES:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[dtype], rtol=0, msg=name)
+
+
+def test_key_mask_shape_is_checked() -> None:
+    inputs = make_inputs(*CASES["gqa"][:7], torch.float32)
+    with pytest.raises(ValueError, match="key_mask must be"):
+        prefix_causal_attention_blocked(*inputs.values(), 0.25, key_mask=torch.ones(5, 23, dtype=torch.bool))
+
+
 def test_gradcheck() -> None:
     inputs = make_inputs(1, 4, 2, 3, 5, 4, 3, torch.float64)
     blocked = lambda *xs: prefix_causal_attention_blocked(*xs, 0.5, block_size=2)  # noqa: E731
@@ -95,3 +125,7 @@ def test_saves_no_score_matrix() -> None:
     expected = [x.numel() for x in inputs.values()] + [batch * q_heads * seg_len * v_dim, batch * q_heads * seg_len]
     assert sorted(numels) == sorted(expected)
     assert max(numels) < score_numel
+
+    key_mask = sparse_key_mask(seg_len, prefix_len, keep=0.5)  # the only extra saved tensor
+    numels = saved_numels(prefix_causal_attention_blocked, inputs, 0.3, block_size=32, key_mask=key_mask)
+    assert sorted(numels) == sorted(expected + [key_mask.numel()])

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference, prefix_causal_mask
+from ..ops.attention import prefix_causal_attention, prefix_causal_mask
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
@@ -44,8 +44,8 @@ def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, inte
     return torch.cat([apply_rope(k_rope, ctx.cos, ctx.sin, interleaved), k_pass], dim=-1)
 
 
-def _sparse_mask(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, interleaved: bool, dtype) -> torch.Tensor:
-    """Additive mask [S, P + S] keeping each query's top-k keys by indexer score (DSA), causal."""
+def _sparse_selection(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
+    """Bool key mask [S, P + S]: True for each query's top-k keys by indexer score (DSA), causal."""
     seg, total = x.shape[1], keys.shape[1]
     q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [1, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
@@ -56,8 +56,8 @@ def _sparse_mask(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, inte
     index_scores = torch.einsum("bsht,bsh->bst", scores, weights)[0]
     causal = prefix_causal_mask(total - seg, seg, index_scores.dtype, index_scores.device, cache=ctx.scratch)
     top = (index_scores + causal).topk(min(indexer.index_topk, total), dim=-1).indices
-    selected = torch.full((seg, total), float("-inf"), dtype=dtype, device=x.device).scatter_(-1, top, 0.0)
-    return selected + causal.to(dtype)
+    selected = torch.zeros(seg, total, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
+    return selected & (causal == 0)
 
 
 @register
@@ -79,8 +79,8 @@ class MultiHeadLatentAttentionAdapter(Adapter):
             return latent, like.new_zeros(1, 0, attn.indexer.head_dim)
         return (latent,)
 
-    def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState, dtype):
-        """(extra indexer-key state, attention mask or None) for a DSA layer; None mask when top-k keeps every key."""
+    def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState):
+        """(extra indexer-key state, bool key mask [S, P + S] or None) for a DSA layer; None when top-k keeps every key."""
         if not hasattr(self.config, "index_topk"):
             return (), None
         total = past[0].shape[1] + ctx.length
@@ -92,7 +92,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
             mask = None
             if total > attn.indexer.index_topk:
                 all_keys = torch.cat([past[1], keys], dim=1)
-                mask = _sparse_mask(attn.indexer, x, q_resid, all_keys, ctx, interleaved, dtype)
+                mask = _sparse_selection(attn.indexer, x, q_resid, all_keys, ctx, interleaved)
         ctx.scratch["dsa_mask"] = mask
         return (keys,), mask
 
@@ -111,7 +111,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         latent, k_rope = torch.split(attn.kv_a_proj_with_mqa(x), [rank, rope_dim], dim=-1)
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, interleaved)
         segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [1, S, rank + rope]
-        extra_state, mask = self._dsa_mask(idx, attn, x, q_resid, ctx, past, q.dtype)
+        extra_state, mask = self._dsa_mask(idx, attn, x, q_resid, ctx, past)
         if not need_output:
             return None, (segment, *extra_state)
 
@@ -120,14 +120,9 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         if self.absorbed:
             query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
             prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, S, rank + rope]
-            if mask is None:
-                out = prefix_causal_attention(
-                    query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, cache=ctx.scratch
-                )
-            else:
-                out = prefix_causal_attention_reference(
-                    query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, attn_mask=mask
-                )
+            out = prefix_causal_attention(
+                query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask, cache=ctx.scratch
+            )
             out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
         else:
             out = self._decompressed_attention(attn, q_nope, q_rope, torch.cat([past[0], segment], dim=1), mask, w_k, w_v)
@@ -143,7 +138,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         query = torch.cat([q_nope, q_rope], dim=-1)
         seg = query.shape[2]
-        prefix_len = k.shape[2] - seg
-        if mask is None:
-            mask = prefix_causal_mask(prefix_len, seg, query.dtype, query.device)
-        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=attn.scaling)
+        attn_mask = prefix_causal_mask(k.shape[2] - seg, seg, query.dtype, query.device)
+        if mask is not None:
+            attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=attn_mask, scale=attn.scaling)

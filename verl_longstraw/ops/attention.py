@@ -3,7 +3,8 @@
 Shapes: ``q`` [B, Hq, T, D]; ``k_prefix`` [B, Hk, P, D], ``v_prefix`` [B, Hk, P, Dv];
 ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]; Hq is a multiple of Hk (grouped
 queries share a key head). Every query sees the whole prefix and the segment causally.
-Returns [B, Hq, T, Dv] in the dtype of ``q``.
+Returns [B, Hq, T, Dv] in the dtype of ``q``. ``key_mask`` [T, P + T] (bool, True = may
+attend) optionally restricts the keys further, e.g. DSA's sparse top-k selection.
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ def prefix_causal_attention_reference(
     k_self: torch.Tensor,
     v_self: torch.Tensor,
     scale: float,
-    attn_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     cache: dict | None = None,
 ) -> torch.Tensor:
     """Plain path: concatenate prefix and segment keys, one SDPA call with an explicit mask.
 
-    ``attn_mask`` [T, P + T] (additive) replaces the prefix-causal mask, e.g. for sparse selection.
     Where SDPA's fused CPU kernel cannot share key heads (value dim != key dim, as in MLA, or a
     single key head) the G = Hq // Hk query heads of a group are folded into rows
     ([B, Hk, G*T, D], mask tiled G times), so no backend repeats K/V per query head.
@@ -63,12 +63,13 @@ def prefix_causal_attention_reference(
     batch, q_heads, seg_len, _ = q.shape
     groups = q_heads // k.shape[1]
     fold = folds_query_heads(q_heads, k.shape[1], q.shape[-1], v.shape[-1])
-    if attn_mask is None:
+    if key_mask is None:
         if k_prefix.shape[-2] == 0 and not fold:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
         attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups if fold else 1, cache)
-    elif fold:
-        attn_mask = attn_mask.repeat(groups, 1)
+    else:
+        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device).masked_fill(~key_mask, float("-inf"))
+        attn_mask = attn_mask.repeat(groups, 1) if fold else attn_mask
     if not fold:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
     rows = q.reshape(batch, k.shape[1], groups * seg_len, q.shape[-1])
@@ -79,12 +80,14 @@ def prefix_causal_attention_reference(
 MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond this the blocked op is leaner
 
 
-def prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale: float, cache: dict | None = None) -> torch.Tensor:
+def prefix_causal_attention(
+    q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask: torch.Tensor | None = None, cache: dict | None = None
+) -> torch.Tensor:
     """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small,
-    else the blocked online-softmax op, which saves only inputs, output and logsumexp."""
+    else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``."""
     q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
     folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
     rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
     if k_prefix.shape[-2] and rows * total * q.element_size() > MASK_BYTES_LIMIT:
-        return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale)
-    return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, cache=cache)
+        return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask)
+    return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask, cache)
