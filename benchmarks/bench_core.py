@@ -8,11 +8,18 @@ configuration in a fresh process:
   count work rather than threads spinning on a shared machine);
 and, at one size, the relative L2 gradient error of each path against standard.
 "standard" is one micro-batch holding the G sequences prompt ++ response (what veRL runs).
+Where standard does not fit in memory (``--standard-max-len``: MLA at P=16K on CPU keeps
+[G, heads, S, S] attention probabilities per layer, ~35 GB a layer at G=8), a
+"standard_bound" row gives a lower bound instead: the bytes of those probabilities alone,
+layers x G x heads x S^2 x 4 (computed, not run; sizes where both exist check the bound).
 
     python benchmarks/bench_core.py                      # full sweep, writes benchmarks/results/core.*
     python benchmarks/bench_core.py --prompt-lens 512 --group-sizes 2 8 --out /tmp/x   # quick
     python benchmarks/bench_core.py --families all --prompt-lens 16384 --group-sizes 8 \
         --paths standard chunked_exact --name scale_cpu   # every family at P=16K (issue 5)
+    python benchmarks/bench_core.py --families deepseek_v3 glm_moe_dsa --prompt-lens 2048 16384 \
+        --group-sizes 2 8 --paths standard detached chunked_exact --standard-max-len 4096 \
+        --error-prompt-len 2048 --name scale_cpu_mla   # MLA at P=16K against the standard bound
 """
 
 from __future__ import annotations
@@ -31,11 +38,22 @@ import torch
 from verl_longstraw import group_backward
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
-from verl_longstraw.tiny import VOCAB, tiny_model
+from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
 PATHS = ("standard", "detached", "exact", "chunked_exact")
 CHUNKS = 8  # chunked exact splits the prompt into this many chunks
+BOUNDED_FAMILIES = ("deepseek_v3", "glm_moe_dsa")  # standard keeps attention probabilities on CPU (MLA: v dim != qk dim)
+
+
+def standard_attention_bound(family: str, prompt_len: int, group_size: int, response_len: int) -> dict:
+    """Lower bound of standard's saved bytes for a model whose attention keeps its probabilities
+    (eager, or SDPA's math fallback as for MLA on CPU): layers x G x heads x S^2 float32."""
+    config = tiny_config(family)
+    seq = prompt_len + response_len
+    nbytes = config.num_hidden_layers * group_size * config.num_attention_heads * seq * seq * 4
+    return dict(family=family, P=prompt_len, G=group_size, T=response_len, path="standard_bound",
+                saved_peak_mb=nbytes / 2**20, rss_growth_mb=None, wall_s=None, cpu_s=None)
 
 
 def grpo_loss(i: int, log_probs: torch.Tensor) -> torch.Tensor:
@@ -112,17 +130,23 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, comma
     lines = [
         "# Core benchmark (CPU)", "", f"Command: `{command}`", "", f"Machine: {machine()}", "",
         "Peak saved-for-backward MB (ratio to standard), CPU seconds (ratio), peak RSS growth MB. T = "
-        f"{rows[0]['T']}; chunked exact uses {CHUNKS} chunks.", "",
+        f"{rows[0]['T']}; chunked exact uses {CHUNKS} chunks. standard_bound rows are computed lower "
+        "bounds of standard (attention probabilities only), used where standard does not fit in memory; "
+        "ratios against them are upper bounds (<=).", "",
         "| family | P | G | path | saved MB | vs std | CPU s | vs std | RSS MB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        std = index.get((r["family"], r["P"], r["G"], "standard"))
+        std = index.get((r["family"], r["P"], r["G"], "standard")) or index.get((r["family"], r["P"], r["G"], "standard_bound"))
         saved_ratio = f"{r['saved_peak_mb'] / std['saved_peak_mb']:.3f}" if std else "-"
-        cpu_ratio = f"{r['cpu_s'] / std['cpu_s']:.3f}" if std else "-"
+        if std and std["path"] == "standard_bound":
+            saved_ratio = f"<= {saved_ratio}"
+        measured = r["cpu_s"] is not None
+        cpu_ratio = f"{r['cpu_s'] / std['cpu_s']:.3f}" if measured and std and std["path"] == "standard" else "-"
+        cpu, rss = (f"{r['cpu_s']:.2f}", f"{r['rss_growth_mb']:.0f}") if measured else ("-", "-")
         lines.append(
             f"| {r['family']} | {r['P']} | {r['G']} | {r['path']} | {r['saved_peak_mb']:.1f} | {saved_ratio} | "
-            f"{r['cpu_s']:.2f} | {cpu_ratio} | {r['rss_growth_mb']:.0f} |"
+            f"{cpu} | {cpu_ratio} | {rss} |"
         )
     lines += ["", "Growth of peak saved bytes from G=2 to G=8:", "", "| family | P | path | G=8 / G=2 |", "|---|---|---|---|"]
     for (family, p, g, path), r in index.items():
@@ -149,7 +173,7 @@ def plot(rows: list[dict], path: str) -> None:
     for i, p in enumerate(prompt_lens):
         for j, family in enumerate(families):
             ax = axes[i][j]
-            for name in PATHS:
+            for name in ("standard_bound", *PATHS):
                 pts = sorted((r["G"], r["saved_peak_mb"]) for r in rows if (r["family"], r["P"], r["path"]) == (family, p, name))
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=name)
@@ -170,6 +194,8 @@ def main() -> None:
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--error-prompt-len", type=int, default=4096)
+    parser.add_argument("--standard-max-len", type=int, default=None,
+                        help="run standard only up to this P; beyond it (and at it, as a check) write standard_bound rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--name", default="core", help="stem of the result files")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: JSON args of one configuration
@@ -184,7 +210,12 @@ def main() -> None:
     for family in families:
         for p in args.prompt_lens:
             for g in args.group_sizes:
+                if args.standard_max_len is not None and family in BOUNDED_FAMILIES:
+                    rows.append(standard_attention_bound(family, p, g, args.response_len))
+                    print(f"{family:12s} P={p:6d} G={g} standard_bound saved >= {rows[-1]['saved_peak_mb']:9.1f} MB", flush=True)
                 for path in paths:
+                    if path == "standard" and args.standard_max_len is not None and p > args.standard_max_len:
+                        continue
                     spec = dict(family=family, prompt_len=p, group_size=g, response_len=args.response_len, path=path)
                     out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
                     if out.returncode != 0:

@@ -255,7 +255,7 @@ def test_run_script_resumes_from_last_checkpoint(tmp_path):
 @pytest.mark.skipif(os.environ.get("LONGSTRAW_E2E") == "0", reason="end-to-end run switched off (LONGSTRAW_E2E=0)")
 def test_e2e_two_steps_then_resume(tmp_path):
     env = dict(os.environ, WORKDIR=str(tmp_path / "wd"), STEPS="2", SAVE_FREQ="1", BATCH="2",
-               NUM_PAIRS="100", WARMUP_SECONDS="20")
+               NUM_PAIRS="100", WARMUP_STEPS="40")
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert summarize.checkpoint_state(env["WORKDIR"], 2) == ("done", 2)

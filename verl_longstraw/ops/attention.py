@@ -83,11 +83,13 @@ MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond
 def prefix_causal_attention(
     q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask: torch.Tensor | None = None, cache: dict | None = None
 ) -> torch.Tensor:
-    """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small,
-    else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``."""
+    """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small
+    (or, with no prefix and unfolded heads, needs no mask at all), else the blocked online-softmax
+    op, which saves only inputs, output, logsumexp and ``key_mask``."""
     q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
     folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
     rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
-    if k_prefix.shape[-2] and rows * total * q.element_size() > MASK_BYTES_LIMIT:
+    needs_mask = k_prefix.shape[-2] > 0 or folded or key_mask is not None
+    if needs_mask and rows * total * q.element_size() > MASK_BYTES_LIMIT:
         return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask)
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask, cache)
