@@ -138,7 +138,7 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, comma
     ]
     for r in rows:
         std = index.get((r["family"], r["P"], r["G"], "standard")) or index.get((r["family"], r["P"], r["G"], "standard_bound"))
-        saved_ratio = f"{r['saved_peak_mb'] / std['saved_peak_mb']:.3f}" if std else "-"
+        saved_ratio = f"{r['saved_peak_mb'] / std['saved_peak_mb']:.3g}" if std else "-"
         if std and std["path"] == "standard_bound":
             saved_ratio = f"<= {saved_ratio}"
         measured = r["cpu_s"] is not None
