@@ -5,7 +5,7 @@ import torch
 from models import VOCAB, tiny_model
 from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
 
-from verl_longstraw import UnsupportedModelError, group_backward, group_log_probs
+from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.replay import capture
@@ -172,3 +172,34 @@ def test_unsupported_feature_is_refused():
         group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
     model.eval()  # dropout is off in eval mode, so the same model is fine there
     group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("prompt_grad, chunk_size", [("exact", None), ("exact", 40), ("detached", 40)])
+def test_shared_capture_equals_fresh_capture(family, prompt_grad, chunk_size):
+    """One capture_prompt state serves group_log_probs and then group_backward (a training step's
+    two passes) with the results of two fresh captures."""
+    model = tiny_model(family)
+    prompt, responses = make_group(VOCAB, 130, (11, 1, 30))
+    expected_lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size)
+    expected = grads_of(model)
+
+    state = capture_prompt(model, prompt, chunk_size, for_backward=prompt_grad == "exact")
+    lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size, state=state)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(lp, expected_lp))
+    assert relative_error(grads_of(model), expected) == 0.0
+
+
+def test_shared_capture_mismatch_is_refused(qwen3):
+    prompt, responses = make_group(VOCAB, 60, (5,))
+    state = capture_prompt(qwen3, prompt, chunk_size=16, for_backward=False)
+    with pytest.raises(ValueError, match="this prompt needs 58"):
+        group_log_probs(qwen3, prompt[:-1], responses, chunk_size=16, state=state)
+    with pytest.raises(ValueError, match="captured with chunk_size=16, not 32"):
+        group_log_probs(qwen3, prompt, responses, chunk_size=32, state=state)
+    with pytest.raises(ValueError, match="needs a state captured with for_backward=True"):
+        group_backward(qwen3, prompt, responses, _loss, chunk_size=16, state=state)

@@ -3,8 +3,8 @@
 The core (this package minus ``integration``) depends on torch and transformers only.
 """
 
-from .api import group_backward, group_log_probs
+from .api import capture_prompt, group_backward, group_log_probs
 from .errors import UnsupportedModelError
 from .replay import GroupStats
 
-__all__ = ["GroupStats", "UnsupportedModelError", "group_backward", "group_log_probs"]
+__all__ = ["GroupStats", "UnsupportedModelError", "capture_prompt", "group_backward", "group_log_probs"]

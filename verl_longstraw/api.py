@@ -21,6 +21,8 @@ from .replay import (
     score,
 )
 
+from .state import PromptState
+
 PROMPT_GRAD_MODES = ("exact", "detached")
 LossFn = Callable[..., torch.Tensor]
 
@@ -41,9 +43,8 @@ def validate_group(
     model: nn.Module, prompt_ids: torch.Tensor, responses: list[torch.Tensor], chunk_size: int | None
 ) -> Adapter:
     """Check one group's inputs and return the model's adapter. Raises ValueError naming the argument."""
-    adapter = adapter_for(model)
+    adapter = _validate_prompt(model, prompt_ids, chunk_size)
     config = adapter.config
-    _check_ids("prompt_ids", prompt_ids, config.vocab_size)
     if not isinstance(responses, (list, tuple)) or not responses:
         raise ValueError("responses must be a non-empty list of 1-D LongTensors")
     max_len = getattr(config, "max_position_embeddings", None)
@@ -56,6 +57,12 @@ def validate_group(
                 f"max_position_embeddings={max_len}; truncate the prompt or the response"
             )
         adapter.check_length(total)
+    return adapter
+
+
+def _validate_prompt(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int | None) -> Adapter:
+    adapter = adapter_for(model)
+    _check_ids("prompt_ids", prompt_ids, adapter.config.vocab_size)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     return adapter
@@ -63,6 +70,51 @@ def validate_group(
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _prompt_state(
+    adapter: Adapter,
+    prompt_ids: torch.Tensor,
+    chunk_size: int | None,
+    keep_boundaries: bool,
+    stats: GroupStats,
+    state: PromptState | None,
+) -> PromptState:
+    """``state`` after checking it belongs to this prompt and chunking, else a fresh capture of ``prompt_ids[:-1]``."""
+    if state is not None:
+        if state.length != len(prompt_ids) - 1 or state.filled != state.length:
+            raise ValueError(f"state holds {state.filled} of {state.length} tokens; this prompt needs "
+                             f"{len(prompt_ids) - 1} (pass the state captured from these prompt_ids)")
+        if state.chunk_size != chunk_size:
+            raise ValueError(f"state was captured with chunk_size={state.chunk_size}, not {chunk_size}")
+        if keep_boundaries and state.boundaries is None:
+            raise ValueError("prompt_grad='exact' needs a state captured with for_backward=True")
+        return state
+    t0 = time.perf_counter()
+    state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries)
+    stats.capture_s += time.perf_counter() - t0
+    stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
+    return state
+
+
+def capture_prompt(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    chunk_size: int | None = None,
+    for_backward: bool = True,
+    stats: GroupStats | None = None,
+) -> PromptState:
+    """Capture a prompt's state once (no autograd), to pass as ``state=`` to ``group_log_probs`` and
+    then ``group_backward`` so a training step computes the prompt's forward once, not twice.
+
+    ``for_backward`` keeps the chunk-boundary states the exact backward restarts from. The
+    state holds per layer what ``adapter.state_specs`` says (e.g. K/V [1, Hk, P-1, D]).
+    """
+    adapter = _validate_prompt(model, prompt_ids, chunk_size)
+    adapter.check_length(len(prompt_ids))
+    with torch.no_grad():
+        return _prompt_state(adapter, prompt_ids.to(_device(model)), chunk_size, for_backward,
+                             stats if stats is not None else GroupStats(), None)
 
 
 def group_log_probs(
@@ -73,11 +125,13 @@ def group_log_probs(
     chunk_size: int | None = None,
     return_entropy: bool = False,
     stats: GroupStats | None = None,
+    state: PromptState | None = None,
 ):
     """Per-token log-probs of each response given the prompt, computing the prompt once.
 
     Returns a list of float32 tensors [T_i] (equal to a full forward over prompt ++ response),
-    and with ``return_entropy`` also the entropies [T_i] of the same positions.
+    and with ``return_entropy`` also the entropies [T_i] of the same positions. ``state``
+    (from ``capture_prompt``) skips the capture.
     """
     adapter = validate_group(model, prompt_ids, responses, chunk_size)
     device = _device(model)
@@ -85,11 +139,7 @@ def group_log_probs(
     stats = stats if stats is not None else GroupStats()
     log_probs, entropies = [], []
     with torch.no_grad():
-        t0 = time.perf_counter()
-        state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries=False)
-        stats.capture_s += time.perf_counter() - t0
-        stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
-        past = state.current()
+        past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state).current()
         t0 = time.perf_counter()
         for response in responses:
             response = response.to(device)
@@ -113,6 +163,7 @@ def group_backward(
     with_entropy: bool = False,
     stats: GroupStats | None = None,
     memory_budget_bytes: int | None = None,
+    state: PromptState | None = None,
 ) -> torch.Tensor:
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
@@ -122,6 +173,7 @@ def group_backward(
     constant (LongStraw paper). With ``memory_budget_bytes``, first compare the pre-flight
     estimate (``verl_longstraw.estimate``: prompt state + state gradients + peak saved for
     backward) against it and raise MemoryError naming the fix before computing anything.
+    ``state`` (from ``capture_prompt`` with the same ``chunk_size``) skips the capture.
     Returns the losses [G], detached.
     """
     if prompt_grad not in PROMPT_GRAD_MODES:
@@ -137,10 +189,7 @@ def group_backward(
     exact = prompt_grad == "exact"
     stats = stats if stats is not None else GroupStats()
 
-    t0 = time.perf_counter()
-    state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries=exact)
-    stats.capture_s += time.perf_counter() - t0
-    stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
+    state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state)
     leaves = as_leaves(state, requires_grad=exact)
 
     t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def run_segment(
 
 def capture(adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, keep_boundaries: bool) -> PromptState:
     """State of the prompt tokens ``ids`` [P'], computed chunk by chunk without autograd."""
-    state = PromptState(adapter.specs(), len(ids), keep_boundaries)
+    state = PromptState(adapter.specs(), len(ids), keep_boundaries, chunk_size)
     with torch.no_grad():
         for s, e in chunk_bounds(len(ids), chunk_size):
             state.append(run_segment(adapter, ids[s:e], s, state.current(), with_logits=False), e - s)

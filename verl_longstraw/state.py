@@ -31,9 +31,12 @@ class PromptState:
     chunked exact backward restarts each chunk from them).
     """
 
-    def __init__(self, specs: list[tuple[StateSpec, ...]], length: int, keep_boundaries: bool):
+    def __init__(
+        self, specs: list[tuple[StateSpec, ...]], length: int, keep_boundaries: bool, chunk_size: int | None = None
+    ):
         self.specs = specs
         self.length = length
+        self.chunk_size = chunk_size  # segment length of the capture (None: one segment)
         self.filled = 0
         self.layers: list[list[torch.Tensor]] = []  # allocated by the first segment, in its dtype
         self.boundaries: list[list[LayerState] | None] | None = [] if keep_boundaries else None

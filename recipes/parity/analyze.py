@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                 "reward_start", "reward_final", "grad_norm_mean", "step_s", "update_actor_s")}})
 
     os.makedirs(args.results, exist_ok=True)
-    md = [f"# Parity study: fsdp2 vs longstraw exact vs longstraw detached", "",
+    md = ["# Parity study: fsdp2 vs longstraw exact vs longstraw detached", "",
           f"Command: `{args.command}`", "",
           f"Reward = `{REWARD}` (fraction of value tokens right). Start/final = mean of the first/last "
           f"{WINDOW} steps; mean ± std over seeds. Times exclude step 1.", "",

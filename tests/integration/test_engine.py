@@ -50,6 +50,20 @@ def test_update_actor_matches_fsdp2(engines, family, mode, kl_entropy):
     assert "longstraw/fragments" in metrics and "longstraw/prompt_state_bytes" in metrics
 
 
+def test_training_captures_each_prompt_once(engines, monkeypatch):
+    """The log-prob pass keeps each fragment's prompt state and the backward reuses it."""
+    import verl_longstraw.api as api
+
+    _, longstraw = engines("qwen3")
+    captures: list[int] = []
+    original = api.capture
+    monkeypatch.setattr(api, "capture", lambda *a, **k: captures.append(1) or original(*a, **k))
+    td = make_batch(n_groups=2, group_size=4, seed=5)
+    _, _, metrics = train_step(longstraw, td, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS)
+    fragments = sum(metrics["longstraw/fragments"].values)  # one value per micro-batch
+    assert len(captures) == fragments > 0
+
+
 def test_detached_differs_from_exact(dist, model_dirs):
     """prompt_grad=detached is a different (biased) gradient; exact is the standard one."""
     stock_cfg = actor_config("fsdp2", "token-mean", False, 0.0, MBS)

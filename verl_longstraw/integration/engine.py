@@ -9,8 +9,10 @@ are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differ
   on those log-probs, take its gradient with respect to every token's log-prob/entropy, and
   backpropagate that through `group_backward` per fragment. By the chain rule this is the
   gradient of veRL's loss for any policy loss and `loss_agg_mode`, including losses that do
-  not split into per-response terms; the cost is one extra capture + replay forward per
-  fragment.
+  not split into per-response terms; the cost is one extra replay forward per response.
+  Each fragment's prompt is captured once per step: the log-prob pass keeps the state
+  (`capture_prompt`) and the backward reuses it, so the states of one micro-batch's
+  fragments are alive together between the two passes.
 """
 
 import copy
@@ -26,7 +28,8 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
-from verl_longstraw import GroupStats, group_backward, group_log_probs
+from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
+from verl_longstraw.state import PromptState
 
 from .config import STRATEGY, as_longstraw_config, check_supported
 from .fsdp2 import held_unsharded, sync_gradients
@@ -97,7 +100,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
         stats = GroupStats()
-        log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats)
+        states: Optional[list[PromptState]] = None if forward_only else []
+        log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
 
         offsets = micro_batch["input_ids"].offsets()
         lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(not forward_only)
@@ -119,7 +123,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         metrics = dict(metrics)
         metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(fragments)))
         if not forward_only:
-            self._backward(fragments, loss, lp_flat, ent_flat, micro_batch, stats)
+            self._backward(fragments, states, loss, lp_flat, ent_flat, micro_batch, stats)
         metrics.update(_stats_metrics(stats))
 
         output = {"loss": loss.detach().item(), "metrics": metrics}
@@ -133,21 +137,37 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 raise ValueError(f"strategy=longstraw does not support {key}=True; turn it off for this actor.")
 
     def _log_probs(
-        self, fragments: list[Fragment], batch_size: int, calculate_entropy: bool, stats: GroupStats
+        self,
+        fragments: list[Fragment],
+        batch_size: int,
+        calculate_entropy: bool,
+        stats: GroupStats,
+        states: Optional[list[PromptState]],
     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
-        """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd."""
+        """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd.
+
+        With a ``states`` list (training), each fragment's captured prompt state is appended to it
+        for the backward pass.
+        """
         log_probs: list[Any] = [None] * batch_size
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
+        chunk_size = self.longstraw.chunk_size
         with torch.no_grad(), self._autocast():
             for frag in fragments:
+                state = None
+                if states is not None:
+                    for_backward = self.longstraw.prompt_grad == "exact"
+                    state = capture_prompt(self.module, frag.prompt_ids, chunk_size, for_backward, stats)
+                    states.append(state)
                 out = group_log_probs(
                     self.module,
                     frag.prompt_ids,
                     frag.responses,
                     temperature=frag.temperature,
-                    chunk_size=self.longstraw.chunk_size,
+                    chunk_size=chunk_size,
                     return_entropy=calculate_entropy,
                     stats=stats,
+                    state=state,
                 )
                 lps, ents = out if calculate_entropy else (out, None)
                 for k, row in enumerate(frag.rows):
@@ -159,6 +179,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _backward(
         self,
         fragments: list[Fragment],
+        states: list[PromptState],
         loss: torch.Tensor,
         lp_flat: torch.Tensor,
         ent_flat: Optional[torch.Tensor],
@@ -175,7 +196,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):
             g_ent = gather_response_values(grads[1], micro_batch)
 
-        for frag in fragments:
+        for frag, state in zip(fragments, states):
 
             def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, frag=frag):
                 row = frag.rows[i]
@@ -195,6 +216,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     temperature=frag.temperature,
                     with_entropy=g_ent is not None,
                     stats=stats,
+                    state=state,
                 )
 
 
