@@ -108,9 +108,10 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
     out = {
         "steps": len(xs), "first_step": xs[0], "last_step": xs[-1],
         "reward_start": _mean(rew[:w]), "reward_end": _mean(rew[-w:]),
-        "exact_start": _mean(acc[:w]), "exact_end": _mean(acc[-w:]),
         "mean_step_s": _mean(st), "window": w,
     }
+    if any(a is not None for a in acc):  # only when the reward function logs an exact-match rate
+        out.update(exact_start=_mean(acc[:w]), exact_end=_mean(acc[-w:]))
     ckpt = os.path.join(workdir, "checkpoints", "latest_checkpointed_iteration.txt")
     if os.path.exists(ckpt):
         out["checkpoint"] = os.path.join(workdir, "checkpoints", f"global_step_{open(ckpt).read().strip()}")
@@ -146,7 +147,7 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
           f"mean step time {out['mean_step_s']:.1f}s", flush=True)
     print(f"[summary] reward      first {w} steps {out['reward_start']:.3f}  ->  last {w} steps "
           f"{out['reward_end']:.3f}", flush=True)
-    if out["exact_start"] == out["exact_start"]:
+    if "exact_start" in out:
         print(f"[summary] exact match first {w} steps {out['exact_start']:.3f}  ->  last {w} steps "
               f"{out['exact_end']:.3f}", flush=True)
     if "checkpoint" in out:
