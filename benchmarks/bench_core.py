@@ -40,6 +40,9 @@ from verl_longstraw.memory import parameter_meter
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reference import make_group  # noqa: E402  (the tests' random group)
+
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
 PATHS = ("standard", "detached", "exact", "chunked_exact")
 CHUNKS = 8  # chunked exact splits the prompt into this many chunks
@@ -59,12 +62,6 @@ def standard_attention_bound(family: str, prompt_len: int, group_size: int, resp
 def grpo_loss(i: int, log_probs: torch.Tensor) -> torch.Tensor:
     """Advantage-weighted token-mean policy-gradient loss (advantages alternate in sign)."""
     return -(1.0 if i % 2 == 0 else -1.0) * log_probs.mean()
-
-
-def make_group(prompt_len: int, group_size: int, response_len: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=g)
-    return prompt, [torch.randint(0, VOCAB, (response_len,), generator=g) for _ in range(group_size)]
 
 
 def standard_backward(model, prompt, responses) -> None:
@@ -89,7 +86,7 @@ def measure_one(family: str, prompt_len: int, group_size: int, response_len: int
     """One configuration (run in its own process so peak RSS is its own)."""
     torch.set_num_threads(1)
     model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
-    prompt, responses = make_group(prompt_len, group_size, response_len)
+    prompt, responses = make_group(VOCAB, prompt_len, [response_len] * group_size)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run_path(model, path, prompt, responses[:1])  # warm-up (allocator, kernels): a subset of the measured work
     model.zero_grad(set_to_none=True)
@@ -107,7 +104,7 @@ def measure_one(family: str, prompt_len: int, group_size: int, response_len: int
 def gradient_errors(family: str, prompt_len: int, group_size: int, response_len: int, paths) -> dict:
     """Relative L2 error of each LongStraw path's gradient against standard's, over all parameters."""
     model = tiny_model(family, max_position_embeddings=prompt_len + response_len)
-    prompt, responses = make_group(prompt_len, group_size, response_len)
+    prompt, responses = make_group(VOCAB, prompt_len, [response_len] * group_size)
     grads = {}
     for path in ("standard", *[p for p in paths if p != "standard"]):  # errors are against standard
         model.zero_grad(set_to_none=True)

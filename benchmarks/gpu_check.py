@@ -31,21 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from models import FAMILIES, VOCAB, tiny_model  # noqa: E402
-from reference import full_log_probs, grads_of, make_group, relative_error, weighted_loss  # noqa: E402
+from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss  # noqa: E402
 
 from verl_longstraw import group_backward, group_log_probs  # noqa: E402
 from verl_longstraw.estimate import estimate_memory  # noqa: E402
 from verl_longstraw.memory import parameter_meter  # noqa: E402
+from verl_longstraw.tiny import use_reference_kernels  # noqa: E402
 
 TINY_FAMILY = {"qwen3_like": "qwen3", "glm5_like": "glm_moe_dsa"}  # metered CPU standard GDN is slow
 TOLERANCE = {"float32": (1e-4, 1e-4), "bfloat16": (0.02, 0.04)}  # (max |log p| error, gradient relative L2)
-
-
-def standard_grads(model, prompt, responses) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    for i, response in enumerate(responses):
-        weighted_loss(i, full_log_probs(model, prompt, response)[0]).backward()
-    return grads_of(model)
 
 
 def equivalence(device: torch.device, families: tuple[str, ...], prompt_len: int, deadline: float) -> list[dict]:
@@ -55,7 +49,7 @@ def equivalence(device: torch.device, families: tuple[str, ...], prompt_len: int
         reference = tiny_model(family).to(device)
         prompt, responses = _group(prompt_len)
         prompt, responses = prompt.to(device), [r.to(device) for r in responses]
-        expected = standard_grads(reference, prompt, responses)
+        expected = standard_grads(reference, prompt, responses, weighted_loss)
         with torch.no_grad():
             expected_lp = [full_log_probs(reference, prompt, r)[0] for r in responses]
         for dtype in (torch.float32, torch.bfloat16):
@@ -103,8 +97,7 @@ def scale_configs(tiny: bool) -> dict[str, transformers.PretrainedConfig]:
 
 
 def build(config, device: torch.device, dtype: torch.dtype):
-    config._attn_implementation = "eager" if config.model_type == "glm_moe_dsa" else "sdpa"
-    config._experts_implementation = "eager"
+    use_reference_kernels(config)
     torch.manual_seed(0)
     with device:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -116,7 +109,7 @@ def build(config, device: torch.device, dtype: torch.dtype):
 
 def run_path(model, path: str, prompt, responses, chunk_size: int) -> None:
     if path == "standard":
-        standard_grads(model, prompt, responses)
+        standard_grads(model, prompt, responses, weighted_loss)
     else:
         model.zero_grad(set_to_none=True)
         group_backward(model, prompt, responses, weighted_loss, prompt_grad=path, chunk_size=chunk_size)

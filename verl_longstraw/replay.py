@@ -21,7 +21,7 @@ import torch
 
 from .adapters import Adapter
 from .adapters.base import call_as
-from .state import LayerState, PromptState
+from .state import LayerState, PromptState, StateSpec
 
 
 @dataclass
@@ -87,15 +87,18 @@ def capture(adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, keep_bo
     return state
 
 
+def _leaves(specs: list[tuple[StateSpec, ...]], layers: list[LayerState], requires_grad: bool) -> list[LayerState]:
+    """Detached copies of per-layer state tensors; differentiable ones get ``requires_grad``."""
+    return [
+        tuple(t.detach().requires_grad_(requires_grad and s.differentiable) for s, t in zip(spec, layer))
+        for spec, layer in zip(specs, layers)
+    ]
+
+
 def as_leaves(state: PromptState, requires_grad: bool) -> list[LayerState] | None:
     """The captured state as autograd leaves (differentiable tensors get ``requires_grad``)."""
     current = state.current()
-    if current is None:
-        return None
-    return [
-        tuple(t.detach().requires_grad_(requires_grad and s.differentiable) for s, t in zip(spec, layer))
-        for spec, layer in zip(state.specs, current)
-    ]
+    return None if current is None else _leaves(state.specs, current, requires_grad)
 
 
 StateGrads = list[list[torch.Tensor | None]]
@@ -136,12 +139,7 @@ def backward_prompt(
     for index in reversed(range(len(bounds))):
         start, end = bounds[index]
         past = state.at_boundary(index, start)
-        past_leaves = None
-        if past is not None:
-            past_leaves = [
-                tuple(t.detach().requires_grad_(s.differentiable) for s, t in zip(spec, layer))
-                for spec, layer in zip(state.specs, past)
-            ]
+        past_leaves = None if past is None else _leaves(state.specs, past, requires_grad=True)
         with torch.enable_grad():
             segment = run_segment(adapter, ids[start:end], start, past_leaves, with_logits=False)
         outputs, output_grads = [], []

@@ -17,8 +17,13 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     config = _base_config(family)
     for key, value in overrides.items():
         setattr(config, key, value)
+    return use_reference_kernels(config)
+
+
+def use_reference_kernels(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """Set the attention and MoE kernels the standard path is compared with; returns ``config``."""
     # transformers 5.10 GLM-MoE-DSA drops the causal mask under sdpa (attends to future tokens): eager there.
-    config._attn_implementation = "eager" if family == "glm_moe_dsa" else "sdpa"
+    config._attn_implementation = "eager" if config.model_type == "glm_moe_dsa" else "sdpa"
     config._experts_implementation = "eager"  # CPU grouped-mm rejects float64
     return config
 

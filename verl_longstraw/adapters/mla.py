@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import prefix_causal_attention, prefix_causal_mask
+from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference, prefix_causal_mask
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
@@ -137,8 +137,8 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         v = torch.einsum("btr,hvr->bhtv", latent, w_v)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         query = torch.cat([q_nope, q_rope], dim=-1)
-        seg = query.shape[2]
-        attn_mask = prefix_causal_mask(k.shape[2] - seg, seg, query.dtype, query.device)
-        if mask is not None:
-            attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(query, k, v, attn_mask=attn_mask, scale=attn.scaling)
+        prefix_len = k.shape[2] - query.shape[2]
+        return prefix_causal_attention_reference(
+            query, k[:, :, :prefix_len], v[:, :, :prefix_len], k[:, :, prefix_len:], v[:, :, prefix_len:],
+            attn.scaling, key_mask=mask,
+        )

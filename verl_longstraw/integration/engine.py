@@ -152,11 +152,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         log_probs: list[Any] = [None] * batch_size
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
         chunk_size = self.longstraw.chunk_size
+        for_backward = self.longstraw.prompt_grad == "exact"
         with torch.no_grad(), self._autocast():
             for frag in fragments:
                 state = None
                 if states is not None:
-                    for_backward = self.longstraw.prompt_grad == "exact"
                     state = capture_prompt(self.module, frag.prompt_ids, chunk_size, for_backward, stats)
                     states.append(state)
                 out = group_log_probs(
