@@ -32,12 +32,12 @@ if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MMAP_ENV.it
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MMAP_ENV})
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
-import harness  # noqa: E402
 import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from verl_longstraw.integration import testing  # noqa: E402
 
 ENGINES = ("fsdp2", "longstraw")
 MODELS: dict[str, dict[str, Any]] = {
@@ -103,7 +103,7 @@ def update_actor(engine, td, config, group_size: int) -> dict:
 
 
 def run_case(engines: dict, configs: dict, prompt: int, group: int, response: int) -> list[dict]:
-    td = harness.make_batch(1, group, seed=prompt + group, prompt_len=(prompt, prompt + 1),
+    td = testing.make_batch(1, group, seed=prompt + group, prompt_len=(prompt, prompt + 1),
                             response_len=(response, response + 1))
     rows = []
     for name in ENGINES:
@@ -121,9 +121,9 @@ def run_case(engines: dict, configs: dict, prompt: int, group: int, response: in
 
 def build(family: str, groups: list[int], tmp: str) -> tuple[dict, dict]:
     """(engines, actor configs) by engine name for one model, warmed up."""
-    path = harness.save_tiny_model(family, f"{tmp}/{family}", **MODELS[family])
-    configs = {name: harness.actor_config(name, "token-mean", False, 0.0, max(groups)) for name in ENGINES}
-    engines = {name: harness.make_engine(name, path, configs[name], max(groups), lr=1e-6) for name in ENGINES}
+    path = testing.save_tiny_model(family, f"{tmp}/{family}", **MODELS[family])
+    configs = {name: testing.actor_config(name, "token-mean", False, 0.0, max(groups)) for name in ENGINES}
+    engines = {name: testing.make_engine(name, path, configs[name], max(groups), lr=1e-6) for name in ENGINES}
     run_case(engines, configs, 64, 2, 8)
     return engines, configs
 
@@ -230,7 +230,7 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/bench_engine.py", *map(shlex.quote, sys.argv[1:])])
     result = dict(command=command, machine=machine(), models=args.models, P=args.prompt, G=args.groups,
                   T=args.response, rows=[])
-    harness.init_dist(port=29561)
+    testing.init_dist()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         built = {family: build(family, args.groups, tmp) for family in args.models}

@@ -1,8 +1,11 @@
 """longstraw engine == veRL's stock fsdp2 engine on veRL 0.9.1 batches (1 rank, gloo, CPU)."""
 
 import pytest
-from harness import actor_config, compute_log_prob, make_batch, make_engine, rel_diff, train_step
 from verl.workers.utils.padding import no_padding_2_padding
+
+from verl_longstraw.integration.testing import (
+    actor_config, compute_log_prob, make_batch, make_engine, rel_diff, train_step
+)
 
 FAMILIES = ("qwen3", "qwen3_next", "deepseek_v3")
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")

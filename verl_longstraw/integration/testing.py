@@ -1,6 +1,11 @@
-"""Build veRL engines (stock fsdp2 and longstraw) on tiny saved models, and veRL 0.9.1 batches."""
+"""Test helpers for the veRL integration: engines (stock fsdp2 and longstraw) on tiny saved
+models, veRL 0.9.1 GRPO batches, a gloo process group on a free port.
+
+Used by tests/integration and benchmarks/bench_engine.py.
+"""
 
 import os
+import socket
 from functools import partial
 
 import numpy as np
@@ -15,14 +20,27 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_longstraw.integration.config import LongStrawActorConfig, LongStrawConfig
 from verl_longstraw.integration.engine import LongStrawEngine
-from verl_longstraw.tiny import VOCAB, tiny_config
+from verl_longstraw.tiny import VOCAB, tiny_model
 
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def init_dist(rank: int = 0, world_size: int = 1, port: int = 29533) -> None:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it), for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_dist(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """Join (or create) the gloo process group; ``port`` is the rendezvous port every rank passes
+    (``free_port()`` chosen by the launcher); a single rank picks a free one itself."""
     if torch.distributed.is_initialized():
         return
+    if port is None:
+        if world_size > 1:
+            raise ValueError(f"init_dist: world_size={world_size} needs port= (free_port() from the launcher)")
+        port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -30,12 +48,7 @@ def init_dist(rank: int = 0, world_size: int = 1, port: int = 29533) -> None:
 
 def save_tiny_model(family: str, path: str, **overrides) -> str:
     """Random-init tiny `family` model (``overrides`` set config fields) saved for veRL to load."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = tiny_config(family, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
+    tiny_model(family, **overrides).save_pretrained(path)
     return path
 
 
