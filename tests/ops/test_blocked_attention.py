@@ -1,12 +1,14 @@
-"""Blocked prefix + causal-segment attention against the SDPA reference."""
+"""Blocked prefix + causal-segment attention against the SDPA reference; the partial (output, logsumexp) op's
+blocked path against its dense reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verl_longstraw.ops.attention import prefix_causal_attention_reference
-from verl_longstraw.ops.blocked_attention import prefix_causal_attention_blocked
+from verl_longstraw.ops import attention as attention_ops
+from verl_longstraw.ops.attention import partial_attention, partial_attention_reference, prefix_causal_attention_reference
+from verl_longstraw.ops.blocked_attention import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
 
 NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -84,7 +86,7 @@ def test_sparse_key_mask_matches_reference(case: str, dtype: torch.dtype) -> Non
 
 def test_key_mask_shape_is_checked() -> None:
     inputs = make_inputs(*CASES["gqa"][:7], torch.float32)
-    with pytest.raises(ValueError, match="key_mask must be"):
+    with pytest.raises(ValueError, match=r"key_mask must be a bool tensor \[queries, prefix \+ own keys\] = \[5, 28\]"):
         prefix_causal_attention_blocked(*inputs.values(), 0.25, key_mask=torch.ones(5, 23, dtype=torch.bool))
 
 
@@ -129,3 +131,87 @@ def test_saves_no_score_matrix() -> None:
     key_mask = sparse_key_mask(seg_len, prefix_len, keep=0.5)  # the only extra saved tensor
     numels = saved_numels(prefix_causal_attention_blocked, inputs, 0.3, block_size=32, key_mask=key_mask)
     assert sorted(numels) == sorted(expected + [key_mask.numel()])
+
+
+def partial_grads(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Output, logsumexp and input gradients of a loss that uses both outputs (logsumexp only where finite)."""
+    out, logsumexp = fn(*inputs.values(), scale, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    out_weight = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    logsumexp_weight = torch.randn(logsumexp.shape, generator=gen, dtype=out.dtype)
+    loss = (out * out_weight).sum() + (logsumexp.where(logsumexp.isfinite(), 0.0) * logsumexp_weight).sum()
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    return out.detach(), logsumexp.detach(), dict(zip(inputs, grads))
+
+
+# query rows N, own keys T, rule: the context-parallel uses (rows of other ranks before and after the own segment)
+RULES = {
+    "own_segment": (6, 6, OwnKeyRule()),
+    "later_rows_see_all": (11, 4, OwnKeyRule(start=3, later_rows_see_all=True)),
+    "only_own_rows": (11, 4, OwnKeyRule(start=3, later_rows_see_all=False)),
+    "first_rank_of_three": (9, 2, OwnKeyRule(start=0, later_rows_see_all=False)),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("heads", ["gqa", "mqa_mla_dv"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_partial_blocked_matches_reference(rule: str, heads: str, dtype: torch.dtype, masked: bool) -> None:
+    """(output, logsumexp) and gradients through both, for every own-key rule; rows that see no key included."""
+    batch, q_heads, kv_heads, _, prefix_len, dim, v_dim, block_size = CASES[heads]
+    rows, own_len, own_keys = RULES[rule]
+    inputs = make_inputs(batch, q_heads, kv_heads, own_len, prefix_len, dim, v_dim, dtype)
+    gen = torch.Generator().manual_seed(3)
+    inputs["q"] = torch.randn(batch, q_heads, rows, dim, dtype=dtype, generator=gen).requires_grad_()
+    key_mask = torch.rand(rows, prefix_len + own_len, generator=gen) < 0.4 if masked else None
+    if masked:
+        key_mask[0] = False  # a row that sees no key at all
+    kwargs = {"own_keys": own_keys, "key_mask": key_mask}
+    out, logsumexp, grads = partial_grads(partial_attention_blocked, inputs, dim**-0.5, block_size=block_size, **kwargs)
+    ref_out, ref_logsumexp, ref_grads = partial_grads(partial_attention_reference, inputs, dim**-0.5, **kwargs)
+    assert out.dtype == logsumexp.dtype == dtype and out.shape == (batch, q_heads, rows, v_dim)
+    if masked:
+        assert (logsumexp[:, :, 0] == float("-inf")).all() and (out[:, :, 0] == 0).all()
+    torch.testing.assert_close(logsumexp, ref_logsumexp, atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=0)
+    for name in NAMES:
+        assert grads[name].isfinite().all(), name
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[dtype], rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("path", ["dense", "blocked"])
+def test_partials_merge_to_full_attention(path: str) -> None:
+    """Two partials over disjoint keys (half the prefix; the other half and the own keys), merged by their
+    logsumexps, equal SDPA over all keys, outputs and gradients (what the context-parallel op relies on)."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, _ = CASES["gqa"]
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, torch.float64)
+    fn = partial_attention_reference if path == "dense" else lambda *a, **k: partial_attention_blocked(*a, **k, block_size=4)
+
+    def merged(q, k_prefix, v_prefix, k_self, v_self, scale):
+        half = prefix_len // 2
+        no_keys = k_self[..., :0, :], v_self[..., :0, :]
+        out_a, lse_a = fn(q, k_prefix[..., :half, :], v_prefix[..., :half, :], *no_keys, scale)
+        out_b, lse_b = fn(q, k_prefix[..., half:, :], v_prefix[..., half:, :], k_self, v_self, scale)
+        total = torch.logaddexp(lse_a, lse_b)
+        return out_a * (lse_a - total).exp().unsqueeze(-1) + out_b * (lse_b - total).exp().unsqueeze(-1)
+
+    out, grads = run_with_grads(merged, inputs, dim**-0.5)
+    ref_out, ref_grads = run_with_grads(prefix_causal_attention_reference, inputs, dim**-0.5)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    for name in NAMES:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def test_partial_attention_dispatch(monkeypatch) -> None:
+    """Dense while the scores fit in SCORES_BYTES_LIMIT, blocked beyond it or when a block size is given."""
+    inputs = make_inputs(*CASES["gqa"][:7], torch.float64)
+    calls = []
+    blocked = attention_ops.partial_attention_blocked
+    monkeypatch.setattr(attention_ops, "partial_attention_blocked", lambda *a, **k: calls.append(a[-1]) or blocked(*a, **k))
+    partial_attention(*inputs.values(), 0.25)
+    assert calls == []
+    partial_attention(*inputs.values(), 0.25, block_size=7)
+    monkeypatch.setattr(attention_ops, "SCORES_BYTES_LIMIT", 0)
+    partial_attention(*inputs.values(), 0.25)
+    assert calls == [7, attention_ops.PARTIAL_BLOCK_SIZE]

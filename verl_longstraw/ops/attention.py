@@ -5,6 +5,10 @@ Shapes: ``q`` [B, Hq, T, D]; ``k_prefix`` [B, Hk, P, D], ``v_prefix`` [B, Hk, P,
 queries share a key head). Every query sees the whole prefix and the segment causally.
 Returns [B, Hq, T, Dv] in the dtype of ``q``. ``key_mask`` [T, P + T] (bool, True = may
 attend) optionally restricts the keys further, e.g. DSA's sparse top-k selection.
+
+``partial_attention`` is the general form the context-parallel op builds on: N query rows over
+the prefix and the own keys an ``OwnKeyRule`` lets them see, returning the output and its
+logsumexp (shapes in ``verl_longstraw.ops.blocked_attention``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .blocked_attention import prefix_causal_attention_blocked
+from .blocked_attention import (
+    OWN_SEGMENT,
+    OwnKeyRule,
+    check_key_mask,
+    compute_dtype,
+    partial_attention_blocked,
+    prefix_causal_attention_blocked,
+)
+
 
 def prefix_causal_mask(
     prefix_len: int, seg_len: int, dtype: torch.dtype, device: torch.device, groups: int = 1, cache: dict | None = None
@@ -93,3 +105,68 @@ def prefix_causal_attention(
     if needs_mask and rows * total * q.element_size() > MASK_BYTES_LIMIT:
         return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask)
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask, cache)
+
+
+def partial_attention_reference(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    scale: float,
+    own_keys: OwnKeyRule = OWN_SEGMENT,
+    key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain dense path of ``partial_attention_blocked`` (same arguments and results): the whole score
+    matrix [B, Hk, G, N, P + T] at once, differentiated by autograd.
+
+    Grouped query heads are folded into rows of their key head (no K/V repeat). Rows that see no
+    key get a finite stand-in for their logsumexp so that no NaN reaches autograd; their
+    probabilities are exp(-inf) = 0, output 0, and the returned logsumexp is -inf.
+    """
+    batch, q_heads, rows, _ = q.shape
+    kv_heads, prefix_len, own_len = k_self.shape[1], k_prefix.shape[-2], k_self.shape[-2]
+    check_key_mask(key_mask, rows, prefix_len + own_len)
+    dtype = compute_dtype(q.dtype)
+    keys = torch.cat([k_prefix, k_self], dim=-2).to(dtype)
+    values = torch.cat([v_prefix, v_self], dim=-2).to(dtype)
+    own_visible = ~own_keys.hidden(rows, own_len, 0, own_len, q.device)
+    visible = torch.cat([own_visible.new_ones(rows, prefix_len), own_visible], dim=-1)
+    visible = visible & key_mask if key_mask is not None else visible
+    q_rows = q.to(dtype).reshape(batch, kv_heads, q_heads // kv_heads * rows, -1) * scale
+    scores = (q_rows @ keys.transpose(-1, -2)).unflatten(-2, (q_heads // kv_heads, rows))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sees_none = ~visible.any(dim=-1, keepdim=True)  # [N, 1]
+    logsumexp = torch.logsumexp(scores.masked_fill(sees_none, 0.0), dim=-1, keepdim=True)
+    out = (scores - logsumexp).exp().flatten(-3, -2) @ values
+    logsumexp = logsumexp.masked_fill(sees_none, float("-inf"))
+    return out.reshape(batch, q_heads, rows, -1), logsumexp.reshape(batch, q_heads, rows)
+
+
+SCORES_BYTES_LIMIT = 16 * 2**20  # the dense partial path saves a few score-sized tensors; beyond this, blocked
+PARTIAL_BLOCK_SIZE = 1024
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    scale: float,
+    own_keys: OwnKeyRule = OWN_SEGMENT,
+    key_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [B, Hq, N, Dv], logsumexp [B, Hq, N]) in the arithmetic dtype, as ``partial_attention_blocked``.
+
+    ``block_size`` None: the dense reference while its scores [B, Hq, N, P + T] fit in
+    ``SCORES_BYTES_LIMIT``, else the blocked op with ``PARTIAL_BLOCK_SIZE`` keys per block; an
+    int: the blocked op with that many keys per block.
+    """
+    if block_size is None:
+        scores_bytes = q.shape[:-1].numel() * (k_prefix.shape[-2] + k_self.shape[-2]) * compute_dtype(q.dtype).itemsize
+        if scores_bytes <= SCORES_BYTES_LIMIT:
+            return partial_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask)
+        block_size = PARTIAL_BLOCK_SIZE
+    return partial_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size)

@@ -1,68 +1,105 @@
-"""Memory-lean attention of a segment's queries over a long cached prefix plus the segment itself.
+"""Memory-lean attention of query rows over a long cached prefix plus a segment of own keys.
 
-Same signature and semantics as ``prefix_causal_attention_reference`` in
-``verl_longstraw.ops.attention`` (the reference this op is tested against): ``q`` [B, Hq, T, D];
-``k_prefix`` [B, Hk, P, D], ``v_prefix`` [B, Hk, P, Dv]; ``k_self`` [B, Hk, T, D],
-``v_self`` [B, Hk, T, Dv]; Hq a multiple of Hk; every query sees the whole prefix and the
-segment causally; returns [B, Hq, T, Dv] in the dtype of ``q``. An optional ``key_mask``
-[T, P + T] (bool, True = may attend) restricts that further, e.g. to a sparse top-k selection;
-it is the only extra tensor saved (one byte per query x key, shared by all heads).
+The general op, ``partial_attention_blocked``, returns the attention output and its logsumexp
+(so partial results over disjoint key sets merge exactly; the context-parallel op relies on it)
+and takes the logsumexp's gradient in backward. ``q`` [B, Hq, N, D]; ``k_prefix`` [B, Hk, P, D],
+``v_prefix`` [B, Hk, P, Dv]; ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]; Hq a multiple
+of Hk. Every query row sees the whole prefix; which own keys it sees is an ``OwnKeyRule``
+(by default the segment's own causal attention, N = T). An optional ``key_mask`` [N, P + T]
+(bool, True = may attend) restricts that further, e.g. to a sparse top-k selection; it is the
+only extra tensor saved (one byte per query x key, shared by all heads). A row that sees no key
+gets output 0, logsumexp -inf and zero gradients.
 
-Flash-attention-2 style in plain torch: the forward walks the keys (prefix, then segment) in
+Flash-attention-2 style in plain torch: the forward walks the keys (prefix, then own keys) in
 blocks with an online softmax, so the largest temporary is one block of scores
-[B, Hq, T, block_size], never [B, Hq, T, P]. Only the inputs, the output and the logsumexp
-[B, Hq, T] are saved; the backward recomputes each block's probabilities from the logsumexp.
-Query heads of a group are folded into the row dimension ([B, Hk, G*T, D] with G = Hq // Hk),
+[B, Hq, N, block_size], never [B, Hq, N, P]. Only the inputs, the output and the logsumexp
+[B, Hq, N] are saved; the backward recomputes each block's probabilities from the logsumexp.
+Query heads of a group are folded into the row dimension ([B, Hk, G*N, D] with G = Hq // Hk),
 so grouped heads share their key head without repeating K/V. Arithmetic is float32 (float64
 for float64 inputs).
+
+``prefix_causal_attention_blocked`` is the single-segment op (output only, in q's dtype), with
+the signature and semantics of ``prefix_causal_attention_reference`` in
+``verl_longstraw.ops.attention``; ``partial_attention_reference`` there is the plain reference
+of the general op. Tests compare each with its reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 
-def _key_blocks(prefix_len: int, seg_len: int, block_size: int) -> Iterator[tuple[bool, int, int]]:
-    """(is_segment, start, end) over the prefix keys, then the segment keys."""
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype of the attention ops: float32 for half/bfloat16/float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass(frozen=True)
+class OwnKeyRule:
+    """Which own keys (``k_self``, T of them) each of N query rows sees.
+
+    Row i sits at position ``i - start`` of the own segment and sees own keys 0 .. i - start
+    (causal); rows before ``start`` see none; rows after the segment (i >= start + T) see all
+    of them if ``later_rows_see_all``, else none. The default is a segment's own causal attention
+    (start 0, N = T).
+    """
+
+    start: int = 0
+    later_rows_see_all: bool = False
+
+    def hidden(self, rows: int, own_len: int, key_start: int, key_end: int, device: torch.device) -> torch.Tensor:
+        """Bool [rows, key_end - key_start]: True where row i may not see own key j (j in [key_start, key_end))."""
+        position = torch.arange(rows, device=device) - self.start
+        hidden = torch.arange(key_start, key_end, device=device) > position.unsqueeze(1)
+        if not self.later_rows_see_all:
+            hidden |= (position >= own_len).unsqueeze(1)
+        return hidden
+
+
+OWN_SEGMENT = OwnKeyRule()  # the queries are the own segment, attending to it causally
+
+
+def _key_blocks(prefix_len: int, own_len: int, block_size: int) -> Iterator[tuple[bool, int, int]]:
+    """(is_own, start, end) over the prefix keys, then the own keys."""
     for start in range(0, prefix_len, block_size):
         yield False, start, min(start + block_size, prefix_len)
-    for start in range(0, seg_len, block_size):
-        yield True, start, min(start + block_size, seg_len)
+    for start in range(0, own_len, block_size):
+        yield True, start, min(start + block_size, own_len)
 
 
 def _block_scores(
     q_scaled: torch.Tensor,
     k_block: torch.Tensor,
-    is_segment: bool,
-    start: int,
     groups: int,
+    is_own: bool,
+    start: int,
+    prefix_len: int,
+    own_len: int,
+    own_keys: OwnKeyRule,
     key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Scores [B, Hk, G*T, n] of scaled queries [B, Hk, G*T, D] against keys [B, Hk, n, D].
+    """Scores [B, Hk, G*N, n] of scaled query rows [B, Hk, G*N, D] against keys [B, Hk, n, D].
 
-    Segment keys at positions after a query's own position get -inf, and so do keys that
-    ``key_mask`` [T, P + T] hides (``start`` is relative to the prefix or the segment).
+    Own keys that ``own_keys`` hides get -inf, and so do keys that ``key_mask`` [N, P + T] hides
+    (``start`` is relative to the prefix or the own keys).
     """
     scores = q_scaled @ k_block.transpose(-1, -2)
-    seg_len, n = q_scaled.shape[-2] // groups, k_block.shape[-2]
-    hidden = None
-    if is_segment:
-        rows = torch.arange(seg_len, device=scores.device)
-        cols = torch.arange(start, start + n, device=scores.device)
-        hidden = cols.unsqueeze(0) > rows.unsqueeze(1)
+    rows, n = q_scaled.shape[-2] // groups, k_block.shape[-2]
+    hidden = own_keys.hidden(rows, own_len, start, start + n, scores.device) if is_own else None
     if key_mask is not None:
-        offset = key_mask.shape[-1] - seg_len if is_segment else 0
+        offset = prefix_len if is_own else 0
         unselected = ~key_mask[:, offset + start : offset + start + n]
         hidden = unselected if hidden is None else hidden | unselected
     if hidden is not None:
-        scores = scores.unflatten(-2, (groups, seg_len)).masked_fill(hidden, float("-inf")).flatten(-3, -2)
+        scores = scores.unflatten(-2, (groups, rows)).masked_fill(hidden, float("-inf")).flatten(-3, -2)
     return scores
 
 
-class _PrefixCausalAttentionBlocked(torch.autograd.Function):
-    """Autograd function behind ``prefix_causal_attention_blocked``."""
+class _PartialAttentionBlocked(torch.autograd.Function):
+    """Autograd function behind ``partial_attention_blocked``: outputs (out, logsumexp), backward takes both gradients."""
 
     @staticmethod
     def forward(
@@ -72,26 +109,28 @@ class _PrefixCausalAttentionBlocked(torch.autograd.Function):
         v_prefix: torch.Tensor,
         k_self: torch.Tensor,
         v_self: torch.Tensor,
-        scale: float,
-        block_size: int,
         key_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        batch, q_heads, seg_len, _ = q.shape
-        kv_heads = k_self.shape[1]
+        scale: float,
+        own_keys: OwnKeyRule,
+        block_size: int,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, q_heads, rows, _ = q.shape
+        kv_heads, own_len = k_self.shape[1], k_self.shape[-2]
         groups = q_heads // kv_heads
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        q_scaled = q.to(dtype).reshape(batch, kv_heads, groups * seg_len, -1) * scale
+        dtype = compute_dtype(q.dtype)
+        q_scaled = q.to(dtype).reshape(batch, kv_heads, groups * rows, -1) * scale
         keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
 
         row_max = q_scaled.new_full(q_scaled.shape[:-1], float("-inf"))
         row_sum = q_scaled.new_zeros(q_scaled.shape[:-1])
         acc = q_scaled.new_zeros(*q_scaled.shape[:-1], v_self.shape[-1])
-        for is_segment, start, end in _key_blocks(k_prefix.shape[-2], seg_len, block_size):
-            k_block = keys[is_segment][..., start:end, :].to(dtype)
-            v_block = values[is_segment][..., start:end, :].to(dtype)
-            scores = _block_scores(q_scaled, k_block, is_segment, start, groups, key_mask)
+        for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, block_size):
+            k_block = keys[is_own][..., start:end, :].to(dtype)
+            v_block = values[is_own][..., start:end, :].to(dtype)
+            scores = _block_scores(q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, own_keys, key_mask)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
-            # rows with no visible key so far (sparse masks) keep max -inf: shift by 0 instead
+            # rows with no visible key so far keep max -inf: shift by 0 instead
             shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
             probs = (scores - shift.unsqueeze(-1)).exp()
             correction = (row_max - shift).exp()
@@ -99,37 +138,43 @@ class _PrefixCausalAttentionBlocked(torch.autograd.Function):
             acc = acc * correction.unsqueeze(-1) + probs @ v_block
             row_max = new_max
 
-        out = (acc / row_sum.unsqueeze(-1)).reshape(batch, q_heads, seg_len, -1).to(q.dtype)
-        logsumexp = row_max + row_sum.log()
+        # rows that saw no key: acc and row_sum are 0 -> output 0, logsumexp -inf
+        out = (acc / row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1)).reshape(batch, q_heads, rows, -1).to(out_dtype)
+        logsumexp = (row_max + row_sum.log()).reshape(batch, q_heads, rows)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, logsumexp, key_mask)
-        ctx.scale, ctx.block_size = scale, block_size
-        return out
+        ctx.scale, ctx.own_keys, ctx.block_size = scale, own_keys, block_size
+        return out, logsumexp
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, grad_logsumexp: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         q, k_prefix, v_prefix, k_self, v_self, out, logsumexp, key_mask = ctx.saved_tensors
-        batch, q_heads, seg_len, _ = q.shape
-        kv_heads = k_self.shape[1]
+        batch, q_heads, rows, _ = q.shape
+        kv_heads, own_len = k_self.shape[1], k_self.shape[-2]
         groups = q_heads // kv_heads
         dtype = logsumexp.dtype
-        rows = (batch, kv_heads, groups * seg_len, -1)
-        q_scaled = q.to(dtype).reshape(rows) * ctx.scale
-        grad_out = grad_out.to(dtype).reshape(rows)
-        delta = (grad_out * out.to(dtype).reshape(rows)).sum(dim=-1, keepdim=True)
+        folded = (batch, kv_heads, groups * rows, -1)
+        q_scaled = q.to(dtype).reshape(folded) * ctx.scale
+        grad_out = grad_out.to(dtype).reshape(folded)
+        # d(score) = p * (dO.v - delta) with delta = rowsum(dO * O) - d(logsumexp), since d(logsumexp)/d(score) = p
+        delta = (grad_out * out.to(dtype).reshape(folded)).sum(dim=-1, keepdim=True) - grad_logsumexp.reshape(folded)
+        # rows that saw no key have only -inf scores: any finite shift gives p = 0 there instead of NaN
+        shift = logsumexp.masked_fill(logsumexp == float("-inf"), 0.0).reshape(folded)
         keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
 
         grad_q_scaled = torch.zeros_like(q_scaled)
         grad_k: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         grad_v: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        for is_segment, start, end in _key_blocks(k_prefix.shape[-2], seg_len, ctx.block_size):
-            k_block = keys[is_segment][..., start:end, :].to(dtype)
-            v_block = values[is_segment][..., start:end, :].to(dtype)
-            scores = _block_scores(q_scaled, k_block, is_segment, start, groups, key_mask)
-            probs = (scores - logsumexp.unsqueeze(-1)).exp()
-            grad_v[is_segment].append(probs.transpose(-1, -2) @ grad_out)
+        for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, ctx.block_size):
+            k_block = keys[is_own][..., start:end, :].to(dtype)
+            v_block = values[is_own][..., start:end, :].to(dtype)
+            scores = _block_scores(q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, ctx.own_keys, key_mask)
+            probs = (scores - shift).exp()
+            grad_v[is_own].append(probs.transpose(-1, -2) @ grad_out)
             grad_scores = probs * (grad_out @ v_block.transpose(-1, -2) - delta)
             grad_q_scaled = grad_q_scaled + grad_scores @ k_block
-            grad_k[is_segment].append(grad_scores.transpose(-1, -2) @ q_scaled)
+            grad_k[is_own].append(grad_scores.transpose(-1, -2) @ q_scaled)
 
         def gathered(blocks: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
             return torch.cat(blocks, dim=-2).to(like.dtype) if blocks else torch.zeros_like(like)
@@ -144,7 +189,44 @@ class _PrefixCausalAttentionBlocked(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+
+def check_key_mask(key_mask: torch.Tensor | None, rows: int, keys: int) -> None:
+    """Raise ValueError unless ``key_mask`` is None or bool [rows, keys]."""
+    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (rows, keys)):
+        raise ValueError(
+            f"key_mask must be a bool tensor [queries, prefix + own keys] = [{rows}, {keys}], "
+            f"got {key_mask.dtype} {list(key_mask.shape)}"
+        )
+
+
+def partial_attention_blocked(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    scale: float,
+    own_keys: OwnKeyRule = OWN_SEGMENT,
+    key_mask: torch.Tensor | None = None,
+    block_size: int = 1024,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked online-softmax attention of N query rows over the prefix and the own keys ``own_keys`` lets them see.
+
+    Shapes in the module docstring; ``block_size`` keys are scored at a time. Returns the output
+    [B, Hq, N, Dv] in ``out_dtype`` (default: the arithmetic dtype) and the logsumexp of the scores
+    [B, Hq, N] in the arithmetic dtype (-inf, with output 0, for rows that see no key); both are
+    differentiable.
+    """
+    check_key_mask(key_mask, q.shape[-2], k_prefix.shape[-2] + k_self.shape[-2])
+    out_dtype = out_dtype or compute_dtype(q.dtype)
+    return _PartialAttentionBlocked.apply(
+        q, k_prefix, v_prefix, k_self, v_self, key_mask, scale, own_keys, block_size, out_dtype
+    )
 
 
 def prefix_causal_attention_blocked(
@@ -160,10 +242,8 @@ def prefix_causal_attention_blocked(
     """Blocked online-softmax attention over prefix + causal segment. Returns [B, Hq, T, Dv] in q's dtype.
 
     Arguments as ``prefix_causal_attention_reference``; ``block_size`` keys are scored at a time;
-    ``key_mask`` [T, P + T] bool (True = visible) restricts which keys each query sees. Every
-    query must see at least one key.
+    ``key_mask`` [T, P + T] bool (True = visible) restricts which keys each query sees.
     """
-    if key_mask is not None and key_mask.shape != (q.shape[-2], k_prefix.shape[-2] + q.shape[-2]):
-        raise ValueError(f"key_mask must be [T, P + T] = [{q.shape[-2]}, {k_prefix.shape[-2] + q.shape[-2]}], "
-                         f"got {list(key_mask.shape)}")
-    return _PrefixCausalAttentionBlocked.apply(q, k_prefix, v_prefix, k_self, v_self, scale, block_size, key_mask)
+    return partial_attention_blocked(
+        q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block_size, out_dtype=q.dtype
+    )[0]
