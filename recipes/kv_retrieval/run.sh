@@ -59,52 +59,28 @@ else
     export VERL_USE_EXTERNAL_MODULES=cpu_compat
     export VERL_FILE_LOGGER_PATH="$WORKDIR/metrics/attempt-$STAMP.jsonl"
     export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 PYTHONWARNINGS=ignore
+    # configs/recipe/kv_retrieval.yaml holds the job's fixed settings; the command line only what
+    # the knobs above set. longstraw: on the shipped longstraw_grpo config; fsdp2: on veRL's ppo_trainer.
+    CONFIGS="$("$PY" -m verl_longstraw.configs)"
     if [[ "$STRATEGY" == "longstraw" ]]; then
-        # the shipped config (extends veRL's ppo_trainer): GRPO, longstraw actor/ref, group-balancing trainer mode
-        CONFIG=(--config-path "$REPO/verl_longstraw/integration/configs" --config-name longstraw_grpo)
+        CONFIG=(--config-path "$CONFIGS" --config-name longstraw_grpo)
     else
-        CONFIG=()
+        CONFIG=(--config-dir "$CONFIGS")
         # veRL registers its FSDP engine for cuda/npu only; it runs unchanged on CPU.
         export VERL_ENGINE_DEVICE=cuda
     fi
     MAX_PROMPT=$(( NUM_PAIRS * 4 + 64 ))
     cd "$WORKDIR"
     set +e
-    run "$PY" -m verl.trainer.main_ppo "${CONFIG[@]}" \
-        algorithm.adv_estimator=grpo \
+    run "$PY" -m verl.trainer.main_ppo "${CONFIG[@]}" +recipe=kv_retrieval \
         data.train_files="$WORKDIR/data/train.parquet" data.val_files="$WORKDIR/data/val.parquet" \
-        data.train_batch_size="$BATCH" data.max_prompt_length="$MAX_PROMPT" data.max_response_length=8 \
-        data.filter_overlong_prompts=False data.truncation=error data.dataloader_num_workers=0 \
-        actor_rollout_ref.model.path="$WORKDIR/model" \
-        actor_rollout_ref.model.use_remove_padding=False \
-        actor_rollout_ref.model.enable_gradient_checkpointing=False \
-        +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
-        actor_rollout_ref.actor.strategy="$STRATEGY" \
-        actor_rollout_ref.actor.optim.lr="$LR" \
-        actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
-        actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.entropy_coeff=0 \
-        actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=8 \
-        actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
-        actor_rollout_ref.rollout.free_cache_engine=False \
-        +actor_rollout_ref.rollout.enable_sleep_mode=False \
-        actor_rollout_ref.rollout.enforce_eager=True \
+        data.train_batch_size="$BATCH" data.max_prompt_length="$MAX_PROMPT" \
         actor_rollout_ref.rollout.max_model_len=$(( MAX_PROMPT + 64 )) \
-        actor_rollout_ref.rollout.max_num_batched_tokens=4096 \
-        actor_rollout_ref.rollout.agent.num_workers=1 \
+        actor_rollout_ref.model.path="$WORKDIR/model" \
+        actor_rollout_ref.actor.strategy="$STRATEGY" actor_rollout_ref.actor.optim.lr="$LR" \
         reward.custom_reward_function.path="$RECIPE/reward.py" \
-        reward.custom_reward_function.name=compute_score \
-        reward.num_workers=1 \
-        transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
-        trainer.device=cpu trainer.n_gpus_per_node=1 trainer.nnodes=1 \
-        +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=8 \
-        trainer.logger='[console,file]' \
-        trainer.project_name=kv_retrieval trainer.experiment_name="$STRATEGY" \
-        trainer.total_training_steps="$STEPS" trainer.total_epochs=1000 \
-        trainer.save_freq="$SAVE_FREQ" trainer.max_actor_ckpt_to_keep=2 \
-        trainer.test_freq=-1 trainer.val_before_train=False \
-        trainer.resume_mode=auto trainer.default_local_dir="$CKPT_DIR" \
+        trainer.experiment_name="$STRATEGY" trainer.total_training_steps="$STEPS" \
+        trainer.save_freq="$SAVE_FREQ" trainer.default_local_dir="$CKPT_DIR" \
         "$@" 2>&1 | "$PY" "$RECIPE/summarize.py" follow --log "$WORKDIR/logs/train-$STAMP.log" --total-steps "$STEPS"
     rc=${PIPESTATUS[0]}
     set -e

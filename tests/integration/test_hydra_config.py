@@ -1,11 +1,14 @@
-"""The shipped Hydra config composes on veRL's ppo_trainer and passes veRL's validation."""
+"""The shipped Hydra config composes on veRL's ppo_trainer and passes veRL's validation; the configs
+folder is located the same way from Python and from the shell."""
 
-from importlib.resources import files
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
+from verl_longstraw.configs import config_dir
 from verl_longstraw.integration.config import LongStrawActorConfig
 
 OVERRIDES = [
@@ -20,9 +23,15 @@ OVERRIDES = [
 
 
 def _compose(extra=()):
-    config_dir = str(files("verl_longstraw.integration") / "configs")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         return compose(config_name="longstraw_grpo", overrides=OVERRIDES + list(extra))
+
+
+def test_config_dir_from_python_and_shell():
+    printed = subprocess.run([sys.executable, "-m", "verl_longstraw.configs"], capture_output=True, text=True,
+                             check=True).stdout
+    assert printed == f"{config_dir()}\n" and config_dir().is_absolute()
+    assert (config_dir() / "longstraw_grpo.yaml").is_file()
 
 
 def test_config_composes_and_validates():

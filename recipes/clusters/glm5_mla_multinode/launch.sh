@@ -9,8 +9,6 @@
 # LONGSTRAW_DRY_RUN=1 (head) prints the composed config without Ray or GPUs.
 set -euo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CLUSTERS="$(dirname "$HERE")"
 PYTHON="${PYTHON:-python}"
 ROLE="${ROLE:-head}"
 NNODES="${NNODES:-16}"
@@ -27,7 +25,6 @@ fi
 MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the HF model folder (on every node)}"
 TRAIN_FILES="${TRAIN_FILES:?set TRAIN_FILES (parquet)}"
 VAL_FILES="${VAL_FILES:-$TRAIN_FILES}"
-PKG_CONFIGS="$("$PYTHON" -c 'import os, verl_longstraw.integration as m; print(os.path.join(list(m.__path__)[0], "configs"))')"
 
 EXTRA=()
 if [[ "${LONGSTRAW_DRY_RUN:-0}" == 1 ]]; then
@@ -44,9 +41,8 @@ else
 fi
 
 "$PYTHON" -m verl.trainer.main_ppo \
-  --config-path "$PKG_CONFIGS" --config-name longstraw_grpo \
-  "hydra.searchpath=[pkg://verl.trainer.config,file://$CLUSTERS]" \
-  +glm5_mla_multinode=recipe \
+  --config-path "$("$PYTHON" -m verl_longstraw.configs)" --config-name longstraw_grpo \
+  +recipe=glm5_mla_multinode \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILES" data.val_files="$VAL_FILES" \

@@ -9,13 +9,10 @@
 # USE_RAY_CLUSTER=1 starts a local Ray head first (otherwise main_ppo starts Ray in-process).
 set -euo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CLUSTERS="$(dirname "$HERE")"
 PYTHON="${PYTHON:-python}"
 MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the HF model folder}"
 TRAIN_FILES="${TRAIN_FILES:?set TRAIN_FILES (parquet)}"
 VAL_FILES="${VAL_FILES:-$TRAIN_FILES}"
-PKG_CONFIGS="$("$PYTHON" -c 'import os, verl_longstraw.integration as m; print(os.path.join(list(m.__path__)[0], "configs"))')"
 
 EXTRA=()
 if [[ "${LONGSTRAW_DRY_RUN:-0}" == 1 ]]; then
@@ -30,11 +27,10 @@ fi
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 # longstraw_grpo is the primary config (it sets hydra.searchpath, which Hydra only allows in the
-# primary config); this recipe is appended as a @package _global_ overlay from the clusters dir.
+# primary config); configs/recipe/qwen35_27b_1m.yaml is appended to it as a @package _global_ overlay.
 "$PYTHON" -m verl.trainer.main_ppo \
-  --config-path "$PKG_CONFIGS" --config-name longstraw_grpo \
-  "hydra.searchpath=[pkg://verl.trainer.config,file://$CLUSTERS]" \
-  +qwen35_27b_1m=recipe \
+  --config-path "$("$PYTHON" -m verl_longstraw.configs)" --config-name longstraw_grpo \
+  +recipe=qwen35_27b_1m \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILES" data.val_files="$VAL_FILES" \
   "${EXTRA[@]}" "$@"
