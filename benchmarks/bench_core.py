@@ -16,7 +16,7 @@ layers x G x heads x S^2 x 4 (computed, not run; sizes where both exist check th
     python benchmarks/bench_core.py                      # full sweep, writes benchmarks/results/core.*
     python benchmarks/bench_core.py --prompt-lens 512 --group-sizes 2 8 --out /tmp/x   # quick
     python benchmarks/bench_core.py --families all --prompt-lens 16384 --group-sizes 8 \
-        --paths standard chunked_exact --name scale_cpu   # every family at P=16K (issue 5)
+        --paths standard chunked_exact --name scale_cpu   # every family at P=16K
     python benchmarks/bench_core.py --families deepseek_v3 glm_moe_dsa --prompt-lens 2048 16384 \
         --group-sizes 2 8 --paths standard detached chunked_exact --standard-max-len 4096 \
         --error-prompt-len 2048 --name scale_cpu_mla   # MLA at P=16K against the standard bound
