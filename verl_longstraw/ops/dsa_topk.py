@@ -1,0 +1,66 @@
+"""DeepSeek Sparse Attention (DSA) key selection: each query's ``topk`` keys by indexer score.
+
+Shapes: ``q`` [S, H, D] indexer queries, ``weights`` [S, H] per-head weights, ``keys`` [T, D]
+indexer keys of the prefix and then the S queries' own tokens (T = P + S), all float32. Index
+score of query s and key t (the model's formula)::
+
+    score[s, t] = sum_h weights[s, h] * relu(scale * q[s, h] . keys[t])
+
+Query s sees keys t <= P + s. Among visible keys with equal scores the earlier key is chosen
+(the model's ``topk`` leaves ties to the kernel). The result is a bool mask [S, T], True at the
+chosen visible keys.
+
+``dsa_topk_mask_reference`` scores every key at once: a [S, H, T] float32 temporary.
+``dsa_topk_mask`` scores ``key_block`` keys at a time, summing over heads as it goes, and keeps a
+running top-k: temporaries O(S x (topk + key_block)) besides the [S, T] bool result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 4096
+_LOW = 2**32  # a key's rank among equal scores lives in the low 32 bits of its sort key
+
+
+def dsa_topk_mask_reference(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float, topk: int
+) -> torch.Tensor:
+    """Bool mask [S, T] of each query's ``topk`` best visible keys (shapes in the module docstring)."""
+    seg, total = q.shape[0], keys.shape[0]
+    scores = F.relu(torch.einsum("shd,td->sht", q, keys) * scale)
+    index_scores = torch.einsum("sht,sh->st", scores, weights)
+    visible = torch.ones(seg, total, dtype=torch.bool, device=q.device).tril(total - seg)
+    index_scores = index_scores.masked_fill(~visible, float("-inf"))
+    top = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(topk, total)]
+    return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+
+def dsa_topk_mask(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float, topk: int, key_block: int = KEY_BLOCK
+) -> torch.Tensor:
+    """``dsa_topk_mask_reference`` (same selection) scoring ``key_block`` keys at a time."""
+    seg, total = q.shape[0], keys.shape[0]
+    prefix = total - seg
+    query_pos = torch.arange(prefix, total, device=q.device)[:, None]
+    best = torch.empty(seg, 0, dtype=torch.int64, device=q.device)  # sort keys of the running top-k
+    for start in range(0, total, key_block):
+        block = keys[start : start + key_block]
+        scores = q.new_zeros(seg, block.shape[0])
+        for h in range(q.shape[1]):  # sum over heads without a [S, H, block] temporary
+            scores += weights[:, h, None] * F.relu(q[:, h] @ block.T * scale)
+        key_pos = torch.arange(start, start + block.shape[0], device=q.device)
+        scores.masked_fill_(key_pos > query_pos, float("-inf"))
+        candidates = torch.cat([best, _sort_keys(scores, key_pos)], dim=-1)
+        best = candidates.topk(topk, dim=-1, sorted=False).values if candidates.shape[-1] > topk else candidates
+    chosen = _LOW - 1 - (best & (_LOW - 1))
+    return torch.zeros(seg, total, dtype=torch.bool, device=q.device).scatter_(-1, chosen, True).tril_(prefix)
+
+
+def _sort_keys(scores: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """int64 [S, B] ordered as (score, then earlier key) and distinct: the float32 score's bits mapped to an
+    order-preserving int32 in the high half, the inverted key position in the low half."""
+    bits = scores.view(torch.int32)  # no -0.0: the scores are sums that start at +0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    return ordered.to(torch.int64) * _LOW + (_LOW - 1 - key_pos)
