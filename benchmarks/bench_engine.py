@@ -109,7 +109,7 @@ def run_case(engines: dict, configs: dict, prompt: int, group: int, response: in
     for name in ENGINES:
         for op, fn in (("compute_log_prob", log_prob), ("update_actor", update_actor)):
             args = (engines[name], td.clone()) + ((configs[name],) if op == "update_actor" else ()) + (group,)
-            metrics, seconds, rss = measure(lambda: fn(*args))
+            metrics, seconds, rss = measure(partial(fn, *args))
             row = dict(engine=name, op=op, P=prompt, G=group, T=response, seconds=seconds, peak_rss_delta_mib=rss)
             for key in LS_METRICS:
                 if f"longstraw/{key}" in metrics:
@@ -201,7 +201,8 @@ def plot(result: dict, path: Path) -> None:
     for ax, key, title in ((axes[0], "time_ratio", "seconds"), (axes[1], "mem_ratio", "peak RSS delta")):
         for model in result["models"]:
             for op, marker in (("compute_log_prob", "o"), ("update_actor", "s")):
-                for prompt, style in zip(result["P"], ("--", "-")):
+                for i, prompt in enumerate(result["P"]):
+                    style = ("--", "-", ":", "-.")[i % 4]
                     pts = [r for r in result["ratios"] if (r["model"], r["op"], r["P"]) == (model, op, prompt)]
                     if not pts:
                         continue

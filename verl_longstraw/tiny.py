@@ -9,7 +9,9 @@ import torch
 import transformers
 
 VOCAB = 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False
+)
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:

@@ -21,7 +21,7 @@ def score(solution_str: str, ground_truth: str) -> float:
     gold = ground_truth.split()
     if not gold:
         return 0.0
-    hits = sum(p == g for p, g in zip(pred, gold))
+    hits = sum(p == g for p, g in zip(pred, gold, strict=False))  # lengths may differ: penalised below
     penalty = 0.1 * abs(len(pred) - len(gold))
     return max(0.0, hits / len(gold) - penalty)
 

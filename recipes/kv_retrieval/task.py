@@ -68,7 +68,7 @@ def make_example(rng: random.Random, cfg: TaskConfig, num_pairs: int | None = No
         keys = rng.sample(range(cfg.num_keys), n)
         q = rng.randrange(n)
     values = [" ".join(rng.choice(DIGITS) for _ in range(cfg.value_len)) for _ in range(n)]
-    body = " ".join(f"{key_token(k)} {v}" for k, v in zip(keys, values))
+    body = " ".join(f"{key_token(k)} {v}" for k, v in zip(keys, values, strict=True))
     content = f"{body} query {key_token(keys[q])}"
     return {"content": content, "answer": values[q], "query_index": q, "num_pairs": n}
 

@@ -4,7 +4,12 @@ import pytest
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_longstraw.integration.testing import (
-    actor_config, compute_log_prob, make_batch, make_engine, rel_diff, train_step
+    actor_config,
+    compute_log_prob,
+    make_batch,
+    make_engine,
+    rel_diff,
+    train_step,
 )
 
 FAMILIES = ("qwen3", "qwen3_next", "deepseek_v3")

@@ -3,11 +3,17 @@ blocked path against its dense reference."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from verl_longstraw.ops import attention as attention_ops
-from verl_longstraw.ops.attention import partial_attention, partial_attention_reference, prefix_causal_attention_reference
+from verl_longstraw.ops.attention import (
+    partial_attention,
+    partial_attention_reference,
+    prefix_causal_attention_reference,
+)
 from verl_longstraw.ops.blocked_attention import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
 
 NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")
@@ -42,7 +48,7 @@ def run_with_grads(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) 
     gen = torch.Generator().manual_seed(1)
     loss = (out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum()
     grads = torch.autograd.grad(loss, list(inputs.values()))
-    return out.detach(), dict(zip(inputs, grads))
+    return out.detach(), dict(zip(inputs, grads, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -77,7 +83,9 @@ def test_sparse_key_mask_matches_reference(case: str, dtype: torch.dtype) -> Non
     batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, block_size = CASES[case]
     inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, dtype)
     key_mask = sparse_key_mask(seg_len, prefix_len, keep=0.4, hide_first_block_rows=2)
-    out, grads = run_with_grads(prefix_causal_attention_blocked, inputs, dim**-0.5, block_size=block_size, key_mask=key_mask)
+    out, grads = run_with_grads(
+        prefix_causal_attention_blocked, inputs, dim**-0.5, block_size=block_size, key_mask=key_mask
+    )
     ref_out, ref_grads = run_with_grads(prefix_causal_attention_reference, inputs, dim**-0.5, key_mask=key_mask)
     torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=0)
     for name in NAMES:
@@ -133,7 +141,9 @@ def test_saves_no_score_matrix() -> None:
     assert sorted(numels) == sorted(expected + [key_mask.numel()])
 
 
-def partial_grads(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def partial_grads(
+    fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Output, logsumexp and input gradients of a loss that uses both outputs (logsumexp only where finite)."""
     out, logsumexp = fn(*inputs.values(), scale, **kwargs)
     gen = torch.Generator().manual_seed(1)
@@ -141,7 +151,7 @@ def partial_grads(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -
     logsumexp_weight = torch.randn(logsumexp.shape, generator=gen, dtype=out.dtype)
     loss = (out * out_weight).sum() + (logsumexp.where(logsumexp.isfinite(), 0.0) * logsumexp_weight).sum()
     grads = torch.autograd.grad(loss, list(inputs.values()))
-    return out.detach(), logsumexp.detach(), dict(zip(inputs, grads))
+    return out.detach(), logsumexp.detach(), dict(zip(inputs, grads, strict=True))
 
 
 # query rows N, own keys T, rule: the context-parallel uses (rows of other ranks before and after the own segment)
@@ -186,7 +196,7 @@ def test_partials_merge_to_full_attention(path: str) -> None:
     logsumexps, equal SDPA over all keys, outputs and gradients (what the context-parallel op relies on)."""
     batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, _ = CASES["gqa"]
     inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, v_dim, torch.float64)
-    fn = partial_attention_reference if path == "dense" else lambda *a, **k: partial_attention_blocked(*a, **k, block_size=4)
+    fn = partial_attention_reference if path == "dense" else partial(partial_attention_blocked, block_size=4)
 
     def merged(q, k_prefix, v_prefix, k_self, v_self, scale):
         half = prefix_len // 2
@@ -208,7 +218,9 @@ def test_partial_attention_dispatch(monkeypatch) -> None:
     inputs = make_inputs(*CASES["gqa"][:7], torch.float64)
     calls = []
     blocked = attention_ops.partial_attention_blocked
-    monkeypatch.setattr(attention_ops, "partial_attention_blocked", lambda *a, **k: calls.append(a[-1]) or blocked(*a, **k))
+    monkeypatch.setattr(
+        attention_ops, "partial_attention_blocked", lambda *a, **k: calls.append(a[-1]) or blocked(*a, **k)
+    )
     partial_attention(*inputs.values(), 0.25)
     assert calls == []
     partial_attention(*inputs.values(), 0.25, block_size=7)

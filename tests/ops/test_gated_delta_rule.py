@@ -44,7 +44,7 @@ def run_with_grads(fn, inputs: dict, seed: int = 1, **kwargs) -> tuple[torch.Ten
     loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)).sum()
     leaves = {name: x for name, x in inputs.items() if x is not None}
     grads = torch.autograd.grad(loss, list(leaves.values()))
-    return out.detach(), state.detach(), dict(zip(leaves, grads))
+    return out.detach(), state.detach(), dict(zip(leaves, grads, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

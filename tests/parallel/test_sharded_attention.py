@@ -42,7 +42,9 @@ def global_inputs(heads: str, query_sizes: tuple[int, ...], prefix_sizes: tuple[
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
     leaves = {
-        "q": randn(BATCH, q_heads, n, dim), "k_self": randn(BATCH, kv_heads, n, dim), "k_prefix": randn(BATCH, kv_heads, p, dim)
+        "q": randn(BATCH, q_heads, n, dim),
+        "k_self": randn(BATCH, kv_heads, n, dim),
+        "k_prefix": randn(BATCH, kv_heads, p, dim),
     }
     if not latent:
         leaves |= {"v_self": randn(BATCH, kv_heads, n, v_dim), "v_prefix": randn(BATCH, kv_heads, p, v_dim)}
@@ -61,7 +63,8 @@ def attention_args(leaves: dict[str, torch.Tensor], heads: str) -> tuple[torch.T
     """(q, k_prefix, v_prefix, k_self, v_self); for MLA the values are the first Dv latent channels."""
     v_dim = HEADS[heads][3]
     if HEADS[heads][4]:
-        return leaves["q"], leaves["k_prefix"], leaves["k_prefix"][..., :v_dim], leaves["k_self"], leaves["k_self"][..., :v_dim]
+        latent_prefix, latent_self = leaves["k_prefix"], leaves["k_self"]
+        return leaves["q"], latent_prefix, latent_prefix[..., :v_dim], latent_self, latent_self[..., :v_dim]
     return leaves["q"], leaves["k_prefix"], leaves["v_prefix"], leaves["k_self"], leaves["v_self"]
 
 
@@ -112,7 +115,8 @@ def sharded_case(rank: int, world: int, mode: str, heads: str, masked: bool, blo
     scale = HEADS[heads][2] ** -0.5
     leaves, upstream, masks = global_inputs(heads, query_sizes, prefix_sizes, masked, seed)
     ref_out, ref_grads = reference(mode, heads, leaves, upstream, masks, query_sizes, prefix_sizes, scale)
-    local = {name: x.clone().requires_grad_() for name, x in local_slices(leaves, rank, query_sizes, prefix_sizes).items()}
+    local = local_slices(leaves, rank, query_sizes, prefix_sizes)
+    local = {name: x.clone().requires_grad_() for name, x in local.items()}
     mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
     with trace_collectives() as trace:
         out = sharded_prefix_attention(
@@ -136,7 +140,8 @@ def bfloat16_errors(rank: int, world: int) -> dict[int | None, tuple[float, floa
     mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
     exact = prefix_causal_attention_reference(*attention_args(leaves, "gqa"), 0.3)[..., mine, :]
     standard = prefix_causal_attention(*(x.bfloat16() for x in attention_args(leaves, "gqa")), 0.3)[..., mine, :]
-    local = attention_args(local_slices({name: x.bfloat16() for name, x in leaves.items()}, rank, query_sizes, prefix_sizes), "gqa")
+    bf16_leaves = {name: x.bfloat16() for name, x in leaves.items()}
+    local = attention_args(local_slices(bf16_leaves, rank, query_sizes, prefix_sizes), "gqa")
     errors = {}
     for block_size in (None, 3):
         group = torch.distributed.group.WORLD

@@ -21,13 +21,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from tensordict import TensorDict
-
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.state import PromptState
 
@@ -196,7 +196,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):
             g_ent = gather_response_values(grads[1], micro_batch)
 
-        for frag, state in zip(fragments, states):
+        for frag, state in zip(fragments, states, strict=True):
 
             def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, frag=frag):
                 row = frag.rows[i]

@@ -17,8 +17,7 @@ def register() -> None:
     from .platform_cpu import register_cpu_platform
 
     register_cpu_platform()
-    from . import engine  # noqa: F401  (registers the engine backend)
-    from . import trainer  # noqa: F401  (registers the trainer mode)
+    from . import engine, trainer  # noqa: F401  (importing them registers the engine backend and the trainer mode)
 
 
 try:

@@ -128,7 +128,7 @@ def make_batch(
     prompt_pad = torch.zeros(n, p_max, dtype=torch.long)
     resp_pad = torch.zeros(n, r_max, dtype=torch.long)
     attn = torch.zeros(n, p_max + r_max, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         prompt_pad[i, p_max - len(p) :] = p
         resp_pad[i, : len(r)] = r
         attn[i, p_max - len(p) : p_max + len(r)] = 1

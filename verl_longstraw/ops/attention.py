@@ -80,7 +80,8 @@ def prefix_causal_attention_reference(
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
         attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device, groups if fold else 1, cache)
     else:
-        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device).masked_fill(~key_mask, float("-inf"))
+        attn_mask = prefix_causal_mask(k_prefix.shape[-2], seg_len, q.dtype, q.device)
+        attn_mask = attn_mask.masked_fill(~key_mask, float("-inf"))
         attn_mask = attn_mask.repeat(groups, 1) if fold else attn_mask
     if not fold:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)

@@ -99,7 +99,8 @@ def _block_scores(
 
 
 class _PartialAttentionBlocked(torch.autograd.Function):
-    """Autograd function behind ``partial_attention_blocked``: outputs (out, logsumexp), backward takes both gradients."""
+    """Autograd function behind ``partial_attention_blocked``: outputs (out, logsumexp); backward takes both
+    gradients."""
 
     @staticmethod
     def forward(
@@ -128,7 +129,9 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, block_size):
             k_block = keys[is_own][..., start:end, :].to(dtype)
             v_block = values[is_own][..., start:end, :].to(dtype)
-            scores = _block_scores(q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, own_keys, key_mask)
+            scores = _block_scores(
+                q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, own_keys, key_mask
+            )
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # rows with no visible key so far keep max -inf: shift by 0 instead
             shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
@@ -139,7 +142,8 @@ class _PartialAttentionBlocked(torch.autograd.Function):
             row_max = new_max
 
         # rows that saw no key: acc and row_sum are 0 -> output 0, logsumexp -inf
-        out = (acc / row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1)).reshape(batch, q_heads, rows, -1).to(out_dtype)
+        out = acc / row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1)
+        out = out.reshape(batch, q_heads, rows, -1).to(out_dtype)
         logsumexp = (row_max + row_sum.log()).reshape(batch, q_heads, rows)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, logsumexp, key_mask)
         ctx.scale, ctx.own_keys, ctx.block_size = scale, own_keys, block_size
@@ -169,7 +173,9 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, ctx.block_size):
             k_block = keys[is_own][..., start:end, :].to(dtype)
             v_block = values[is_own][..., start:end, :].to(dtype)
-            scores = _block_scores(q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, ctx.own_keys, key_mask)
+            scores = _block_scores(
+                q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, ctx.own_keys, key_mask
+            )
             probs = (scores - shift).exp()
             grad_v[is_own].append(probs.transpose(-1, -2) @ grad_out)
             grad_scores = probs * (grad_out @ v_block.transpose(-1, -2) - delta)

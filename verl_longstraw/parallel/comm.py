@@ -94,7 +94,10 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         like = next(g for g in grads if g is not None)
-        grads = [g if g is not None else like.new_zeros(_with_dim(like.shape, ctx.dim, n)) for g, n in zip(grads, ctx.sizes, strict=True)]
+        grads = [
+            g if g is not None else like.new_zeros(_with_dim(like.shape, ctx.dim, n))
+            for g, n in zip(grads, ctx.sizes, strict=True)
+        ]
         return _reduce_scatter_padded(grads, ctx.sizes, ctx.dim, ctx.group), None, None, None
 
 
@@ -121,7 +124,8 @@ class _AllReduce(torch.autograd.Function):
 
 
 def all_gather(x: torch.Tensor, group: Group, sizes: Sequence[int] | None = None, dim: int = 0) -> list[torch.Tensor]:
-    """Every rank's ``x`` (differentiable): a list of ``group_size`` tensors; rank r's is ``sizes[r]`` long along ``dim``.
+    """Every rank's ``x`` (differentiable): a list of ``group_size`` tensors; rank r's is ``sizes[r]`` long along
+    ``dim``.
 
     ``sizes`` None means equal shapes on all ranks. Gradient: reduce-scatter of the copies' gradients to the owners.
     """
@@ -134,7 +138,9 @@ def all_gather(x: torch.Tensor, group: Group, sizes: Sequence[int] | None = None
     return list(_AllGather.apply(x, sizes, dim, group))
 
 
-def reduce_scatter(parts: Sequence[torch.Tensor], group: Group, sizes: Sequence[int] | None = None, dim: int = 0) -> torch.Tensor:
+def reduce_scatter(
+    parts: Sequence[torch.Tensor], group: Group, sizes: Sequence[int] | None = None, dim: int = 0
+) -> torch.Tensor:
     """Sum over ranks of ``parts[j]``, returned on rank j (differentiable; gradient: an all-gather)."""
     if group is None:
         return parts[0]
