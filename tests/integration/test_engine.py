@@ -1,6 +1,8 @@
 """longstraw engine == veRL's stock fsdp2 engine on veRL 0.9.1 batches (1 rank, gloo, CPU)."""
 
 import pytest
+import torch
+from verl.utils.device import get_torch_device
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_longstraw.integration.testing import (
@@ -56,6 +58,34 @@ def test_update_actor_matches_fsdp2(engines, family, mode, kl_entropy):
     assert rel_diff(gl, gs) < 1e-5
     assert rel_diff(pl, ps) < 1e-5
     assert "longstraw/fragments" in metrics and "longstraw/prompt_state_bytes" in metrics
+
+
+def test_rows_without_response_tokens_match_fsdp2(engines):
+    """Rows with a prompt and no response tokens (a whole group of them, and one more) get the
+    values fsdp2 gives them and no loss term; the other rows train as in fsdp2."""
+    stock, longstraw = engines("qwen3")
+    td = make_batch(n_groups=3, group_size=4, seed=7, empty_responses=5)
+    a, b = compute_log_prob(stock, td.clone(), MBS), compute_log_prob(longstraw, td.clone(), MBS)
+    for key in ("log_probs", "entropy"):
+        x, y = no_padding_2_padding(a[key], td), no_padding_2_padding(b[key], td)
+        assert (x - y).abs().max().item() < 1e-5, key
+    cfg_s, cfg_l = (actor_config(s, "seq-mean-token-mean", True, 0.01, MBS) for s in ("fsdp2", "longstraw"))
+    gs, ps, _ = train_step(stock, td.clone(), cfg_s, MBS)
+    gl, pl, _ = train_step(longstraw, td.clone(), cfg_l, MBS)
+    assert rel_diff(gl, gs) < 1e-5
+    assert rel_diff(pl, ps) < 1e-5
+
+
+def test_peak_memory_metric_covers_the_step_only(engines):
+    """`longstraw/peak_memory_gb` is this step's peak, not the process's lifetime peak."""
+    _, longstraw = engines("qwen3")
+    spike = torch.ones(2**27)  # 512 MiB resident, freed before the step
+    lifetime_peak = get_torch_device().max_memory_allocated()
+    del spike
+    td = make_batch(n_groups=1, group_size=MBS, seed=6)
+    _, _, metrics = train_step(longstraw, td, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS)
+    step_peak = max(metrics["longstraw/peak_memory_gb"].values) * 2**30
+    assert 0 < step_peak < lifetime_peak - 2**28
 
 
 def test_training_captures_each_prompt_once(engines, monkeypatch):

@@ -1,10 +1,17 @@
 """The verl.plugins entry point: clean import, registrations, loud failures, config validation."""
 
+import importlib.util
+import pkgutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
 
 import pytest
+
+REGISTERED = (
+    "from verl.workers.engine.base import EngineRegistry\n"
+    "assert EngineRegistry._engines['language_model'].get('longstraw'), 'longstraw engine not registered'\n"
+)
 
 
 def test_entry_point_imports_and_registers():
@@ -27,6 +34,56 @@ def test_broken_plugin_import_is_loud():
     assert "Traceback" in proc.stderr
 
 
+def test_any_module_imported_first_registers_the_engine():
+    """A fresh interpreter whose first import is any one module of the integration (what a user's
+    launcher does, e.g. `from verl_longstraw.integration.config import LongStrawConfig`) imports it
+    without an error logged and ends with the engine registered."""
+    package = "verl_longstraw.integration"
+    locations = importlib.util.find_spec(package).submodule_search_locations
+    modules = [package] + [f"{package}.{m.name}" for m in pkgutil.iter_modules(locations)]
+    failures = {}
+    for batch in (modules[i : i + 2] for i in range(0, len(modules), 2)):  # two at a time: 2-core CI
+        procs = {
+            m: subprocess.Popen(
+                [sys.executable, "-c", f"import {m}\n" + REGISTERED],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for m in batch
+        }
+        for m, proc in procs.items():
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode or "Traceback" in err:
+                failures[m] = err[-3000:]
+    assert len(modules) > 5 and not failures, failures
+
+
+@pytest.mark.parametrize("torch_sees_cuda", [False, True], ids=["no-accelerator", "cuda-without-nvidia-smi"])
+def test_cpu_platform_only_when_torch_sees_no_accelerator(torch_sees_cuda):
+    """veRL's CUDA probe fails without nvidia-smi (containers) even when torch sees CUDA; the CPU
+    platform must then stay unregistered. The plugin logs which way it went."""
+    fake_cuda = (
+        "torch.accelerator.current_accelerator = lambda check_available=False: torch.device('cuda')\n"
+        "torch.cuda.is_available = lambda: True\n"
+    )
+    code = (
+        "import logging, shutil, torch\n"
+        "logging.basicConfig(format='%(levelname)s %(name)s %(message)s')\n"
+        "logging.getLogger('verl_longstraw').setLevel(logging.INFO)\n"
+        "shutil.which = lambda cmd, *args, **kwargs: None\n"  # no nvidia-smi on PATH
+        + (fake_cuda if torch_sees_cuda else "")
+        + "import verl\n"
+        "from verl.plugin.platform import PlatformRegistry\n"
+        "print('cpu registered:', 'cpu' in PlatformRegistry.registered_names())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"cpu registered: {not torch_sees_cuda}" in proc.stdout
+    expected = "torch sees accelerator 'cuda'" if torch_sees_cuda else "registered the CPU platform"
+    assert expected in proc.stderr, proc.stderr[-3000:]
+
+
 def test_config_rejects_unknown_and_inconsistent_settings():
     from verl_longstraw.integration.config import LongStrawConfig, as_longstraw_config, check_supported
 
@@ -38,6 +95,53 @@ def test_config_rejects_unknown_and_inconsistent_settings():
         as_longstraw_config({"prompt_grad": "exact", "chunk": 4})
     with pytest.raises(ValueError, match="use_fused_kernels"):
         check_supported({"use_fused_kernels": True})
+
+
+def test_critic_strategy_longstraw_names_the_fix(model_dirs):
+    """The longstraw strategy serves the actor and the reference policy only: a critic asking for it
+    fails when the shipped config is converted (as veRL's validate_config does), and under any other
+    config when veRL builds the critic's engine, naming the fix (not veRL's bare "Unknown backend")."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPCriticConfig
+    from verl.workers.engine import EngineRegistry
+
+    fix = "serves the actor and the reference policy only.*critic.strategy=fsdp2"
+    model = [
+        f"critic.model.path={model_dirs['qwen3']}",
+        "+critic.model.load_tokenizer=false",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+    ]
+    refused = _shipped_config([*model, "critic.strategy=longstraw"])
+    accepted = _shipped_config([*model, "critic.strategy=fsdp2"])
+    with pytest.raises(Exception, match=fix):  # Hydra wraps the ValueError in an InstantiationException
+        omega_conf_to_dataclass(refused.critic)
+    assert isinstance(omega_conf_to_dataclass(accepted.critic), FSDPCriticConfig)
+    with pytest.raises(ValueError, match=fix):
+        EngineRegistry.new(model_type="value_model", backend="longstraw")
+
+
+def test_longstraw_sync_settings_live_under_sync():
+    """veRL knows the longstraw_sync mode as "sync" and reads trainer.v1.sync: the shipped config has no
+    trainer.v1.longstraw_sync block, and the trainer refuses one instead of ignoring its settings."""
+    from omegaconf import open_dict
+
+    from verl_longstraw.integration.trainer import LongStrawTrainerSync
+
+    cfg = _shipped_config()
+    assert cfg.trainer.v1.trainer_mode == "longstraw_sync" and "longstraw_sync" not in cfg.trainer.v1
+    with open_dict(cfg):
+        cfg.trainer.v1.longstraw_sync = {"parameter_sync_step": 2}
+    with pytest.raises(ValueError, match="move them to trainer.v1.sync"):
+        LongStrawTrainerSync(cfg)
+
+
+def _shipped_config(overrides: list[str] = ()):
+    from hydra import compose, initialize_config_dir
+
+    from verl_longstraw.configs import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return compose(config_name="longstraw_grpo", overrides=list(overrides))
 
 
 def test_balance_groups_keeps_groups_whole():

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl.base_config import BaseConfig
-from verl.workers.config import FSDPActorConfig
+from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
 STRATEGY = "longstraw"
 PROMPT_GRAD_MODES = ("exact", "detached")
@@ -65,6 +65,25 @@ def check_supported(cfg: Any, where: str = "actor_rollout_ref.actor") -> None:
         value = cfg.get(name, ok)
         if value not in (ok, None):
             raise ValueError(f"{where}.{name}={value!r} with strategy=longstraw: {why}.")
+
+
+def unserved_role_error(field: str) -> ValueError:
+    """The error for `<field>=longstraw` on a role other than the actor or the reference policy."""
+    return ValueError(
+        f"{field}={STRATEGY}: the {STRATEGY} strategy serves the actor and the reference policy only "
+        f"(actor_rollout_ref.actor and .ref); set {field}=fsdp2 (veRL's FSDP2 engine)."
+    )
+
+
+@dataclass
+class CheckedCriticConfig(FSDPCriticConfig):
+    """veRL's FSDP critic config, refusing `critic.strategy=longstraw` at config time (the shipped
+    config's critic; veRL would fail only when building the critic's engine)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy == STRATEGY:
+            raise unserved_role_error("critic.strategy")
+        super().__post_init__()
 
 
 @dataclass

@@ -9,6 +9,7 @@ reduce-scatters the accumulated gradients with one backward that every rank runs
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -20,40 +21,72 @@ def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
+@dataclass(frozen=True)
+class ShardingSettings:
+    """One FSDP2 module's settings, as its public setters take them."""
+
+    reshard_after_forward: bool
+    reshard_after_backward: bool
+    requires_gradient_sync: bool
+
+    def apply(self, module: FSDPModule) -> None:
+        """Set them on `module` alone (not its FSDP submodules) through FSDP2's public setters."""
+        module.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+        module.set_reshard_after_backward(self.reshard_after_backward, recurse=False)
+        module.set_requires_gradient_sync(self.requires_gradient_sync, recurse=False)
+
+
+HELD = ShardingSettings(reshard_after_forward=False, reshard_after_backward=False, requires_gradient_sync=False)
+
+
+def sharding_settings(root: nn.Module) -> dict[FSDPModule, ShardingSettings]:
+    """Each FSDP2 module of `root` (the module fully_shard was applied to last) with its current settings.
+
+    The one place that reads FSDP2's private state: FSDP2 has setters for these settings but
+    no getters, and the root settles its own reshard-after-forward at its lazy initialization
+    (normally its first forward), which this runs first. tests/integration/test_fsdp2.py pins
+    the readings against the public setters. A module without parameters reads as `HELD`.
+    """
+    if isinstance(root, FSDPModule):
+        root._get_fsdp_state()._lazy_init()
+    settings = {}
+    for module in _fsdp_modules(root):
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            settings[module] = HELD
+            continue
+        if group.post_forward_mesh_info not in (None, group.mesh_info):
+            raise ValueError(
+                f"{type(module).__name__} reshards to a smaller mesh after forward (an int reshard_after_forward); "
+                "LongStraw restores FSDP2 settings through the public bool setter: use a bool."
+            )
+        settings[module] = ShardingSettings(
+            reshard_after_forward=group.post_forward_mesh_info is not None,
+            reshard_after_backward=group.reshard_after_backward,
+            requires_gradient_sync=group.reduce_grads,
+        )
+    return settings
+
+
 @contextmanager
 def held_unsharded(root: nn.Module) -> Iterator[None]:
     """All-gather every FSDP2 module of `root` once; keep them unsharded and gradient sync off.
 
-    On exit restores each module's reshard-after-forward/backward settings, turns gradient
-    sync back on and reshards. Gradients accumulate unsharded until `sync_gradients`.
+    On exit restores each module's settings as they were on entry and reshards. Gradients
+    accumulate unsharded until `sync_gradients`.
     """
-    modules = _fsdp_modules(root)
-    if not modules:
-        yield
-        return
-    root._get_fsdp_state()._lazy_init()
-    saved = []
-    for m in modules:
-        state = m._get_fsdp_state()
-        group = state._fsdp_param_group
-        saved.append((state._auto_reshard_after_forward, group and group.post_forward_mesh_info))
-        m.set_reshard_after_forward(False, recurse=False)
-        m.set_reshard_after_backward(False, recurse=False)
-        m.set_requires_gradient_sync(False, recurse=False)
+    saved = sharding_settings(root)
+    for module in saved:
+        HELD.apply(module)
     try:
-        for m in modules:
-            m.unshard()
+        for module in saved:
+            module.unshard()
         yield
     finally:
-        for m, (auto, mesh_info) in zip(modules, saved):
-            state = m._get_fsdp_state()
-            state._auto_reshard_after_forward = auto
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.post_forward_mesh_info = mesh_info
-            m.set_reshard_after_backward(True, recurse=False)
-            m.set_requires_gradient_sync(True, recurse=False)
-        for m in modules:
-            m.reshard()
+        for module, settings in saved.items():
+            settings.apply(module)
+        for module in saved:
+            module.reshard()
 
 
 def sync_gradients(root: nn.Module, device: str, autocast_dtype: torch.dtype) -> None:

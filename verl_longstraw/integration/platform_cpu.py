@@ -1,14 +1,14 @@
 """A CPU platform for veRL, so the engine and the whole trainer run without an accelerator.
 
 veRL 0.9.1 ships CUDA/NPU/ROCm platforms only and falls back to "nvidia" when none is
-detected. `register_cpu_platform` adds this one to `PlatformRegistry` only when no
-registered platform finds its accelerator, so GPU/NPU machines are unaffected.
+detected. `register_cpu_platform` adds this one to `PlatformRegistry` only when torch sees no
+accelerator and no registered platform finds one, so GPU/NPU machines are unaffected (veRL's
+CUDA probe fails without `nvidia-smi`, e.g. in containers, while torch still sees the GPUs).
 Ray placement still asks for the resource "GPU": start Ray with a logical
 `ray_kwargs.ray_init.num_gpus` equal to the number of CPU workers.
 """
 
 import logging
-import resource
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -20,8 +20,18 @@ logger = logging.getLogger(__name__)
 
 
 def _peak_rss_bytes(device: Any = None) -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process since the last `_reset_peak_rss` (Linux VmHWM, in bytes)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError("/proc/self/status has no VmHWM line; the CPU platform's memory metrics need Linux")
+
+
+def _reset_peak_rss(device: Any = None) -> None:
+    """Reset the peak resident set size to the current one (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def _rss_bytes(device: Any = None) -> int:
@@ -43,7 +53,7 @@ cpu_device_module = SimpleNamespace(
     empty_cache=_noop,
     ipc_collect=_noop,
     set_per_process_memory_fraction=_noop,
-    reset_peak_memory_stats=_noop,
+    reset_peak_memory_stats=_reset_peak_rss,
     memory_allocated=_rss_bytes,
     memory_reserved=_rss_bytes,
     max_memory_allocated=_peak_rss_bytes,
@@ -58,19 +68,25 @@ cpu_device_module = SimpleNamespace(
 
 
 def register_cpu_platform() -> bool:
-    """Register platform "cpu" when no registered platform detects its accelerator.
+    """Register platform "cpu" when torch sees no accelerator and no registered platform detects one.
 
-    Returns whether it was registered. Must run before veRL's first `get_platform()`.
+    Returns whether it is registered, and logs the outcome. Must run before veRL's first `get_platform()`.
     """
-    from verl.plugin.platform import PlatformBase, PlatformRegistry
-    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform import PlatformBase, PlatformRegistry, platform_manager
 
     if "cpu" in PlatformRegistry.registered_names():
         return True
+    if torch.accelerator.is_available():
+        logger.info(
+            "verl_longstraw: torch sees accelerator %r; the CPU platform is not registered (veRL picks the platform).",
+            torch.accelerator.current_accelerator().type,
+        )
+        return False
     for name in PlatformRegistry.registered_names():
         platform_cls = PlatformRegistry.get(name)
         try:
             if platform_cls().is_platform_available(use_smi_check=True):
+                logger.info("verl_longstraw: veRL platform %r is available; the CPU platform is not registered.", name)
                 return False
         except Exception:  # a vendor probe that cannot run here means: not this vendor
             continue
@@ -156,4 +172,8 @@ def register_cpu_platform() -> bool:
         def cudart(self) -> Any:
             return None
 
+    logger.warning(
+        "verl_longstraw: no accelerator visible to torch or veRL; registered the CPU platform "
+        "(device cpu, gloo collectives)."
+    )
     return True

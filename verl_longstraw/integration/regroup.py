@@ -47,35 +47,71 @@ def sample_temperatures(data: TensorDict, batch_size: int) -> list[float]:
     return [float(temperature)] * batch_size
 
 
+def prompt_checksums(data: TensorDict, lengths: torch.Tensor) -> torch.Tensor:
+    """[B] int64 checksum of each row's prompt tokens (the first ``lengths[b]`` of its ``input_ids``),
+    computed on the batch's device with no host sync.
+
+    Sum over prompt positions t of ``id_t * w_t``, position weights ``w_t`` in [1, 8191]: equal
+    prompts have equal checksums; rows with equal checksums are compared token by token.
+    """
+    input_ids = data["input_ids"]
+    values, offsets = input_ids.values(), input_ids.offsets()
+    rows = torch.arange(len(offsets) - 1, device=values.device)
+    row_of = torch.repeat_interleave(rows, offsets.diff(), output_size=values.numel())
+    position = torch.arange(values.numel(), device=values.device) - offsets[row_of]
+    weights = position * 2654435761 % 8191 + 1
+    terms = torch.where(position < lengths.to(values.device)[row_of], values.long() * weights, 0)
+    return torch.zeros(len(rows), dtype=torch.long, device=values.device).index_add_(0, row_of, terms)
+
+
 def regroup(data: TensorDict) -> list[Fragment]:
     """Group the rows of a no-padding micro-batch by (uid, prompt tokens, temperature).
 
     `input_ids` is a nested [B, P_i + T_i] tensor; each fragment keeps first-seen row order.
     Rows sharing a prompt but not a uid stay in separate fragments, as do rows whose
-    temperatures differ (one capture serves one temperature).
+    temperatures differ (one capture serves one temperature). Rows without response tokens
+    are in no fragment: they have nothing to score and, as in veRL's engines, no loss term.
+    Rows are matched by uid, prompt length and `prompt_checksums`, then each group's prompts are
+    compared on the device at once (one host sync per group).
     """
     input_ids = data["input_ids"]
-    offsets = input_ids.offsets().tolist()
     values = input_ids.values()
-    lengths = prompt_lengths(data).tolist()
+    offsets = input_ids.offsets().tolist()
+    lengths = prompt_lengths(data)
+    checksums = prompt_checksums(data, lengths).tolist()
+    lengths = lengths.tolist()
     batch_size = len(offsets) - 1
     uids = sample_uids(data) or [None] * batch_size
     temperatures = sample_temperatures(data, batch_size)
-    fragments: dict[tuple, Fragment] = {}
+    candidates: dict[tuple, list[int]] = {}
     for row in range(batch_size):
-        start, end, p = offsets[row], offsets[row + 1], int(lengths[row])
-        if p < 1 or end - start - p < 1:
-            raise ValueError(
-                f"sample {row} has prompt length {p} and response length {end - start - p}; "
-                "LongStraw needs at least one prompt and one response token."
-            )
-        prompt, response = values[start : start + p], values[start + p : end]
-        key = (uids[row], tuple(prompt.tolist()), temperatures[row])
-        if key not in fragments:
-            fragments[key] = Fragment(prompt, [], [], temperatures[row])
-        fragments[key].rows.append(row)
-        fragments[key].responses.append(response)
-    return list(fragments.values())
+        p = int(lengths[row])
+        if p < 1:
+            raise ValueError(f"sample {row} has no prompt tokens; LongStraw needs at least one.")
+        if offsets[row + 1] - offsets[row] > p:
+            candidates.setdefault((uids[row], p, checksums[row], temperatures[row]), []).append(row)
+    fragments = []
+    for (_, p, _, temperature), rows in candidates.items():
+        prompts = [values[offsets[row] : offsets[row] + p] for row in rows]
+        for members in _same_prompt_runs(rows, prompts):
+            first = offsets[members[0]]
+            responses = [values[offsets[row] + p : offsets[row + 1]] for row in members]
+            fragments.append(Fragment(values[first : first + p], members, responses, temperature))
+    return fragments
+
+
+def _same_prompt_runs(rows: list[int], prompts: list[torch.Tensor]) -> list[list[int]]:
+    """`rows` split by identical prompt ([P] each, equal length); one device comparison when all match."""
+    if bool(torch.stack([prompt.eq(prompts[0]).all() for prompt in prompts]).all()):
+        return [rows]
+    runs: list[tuple[torch.Tensor, list[int]]] = []  # a checksum collision: compare pairwise
+    for row, prompt in zip(rows, prompts, strict=True):
+        run = next((members for first, members in runs if torch.equal(first, prompt)), None)
+        if run is None:
+            runs.append((prompt, [row]))
+        else:
+            run.append(row)
+    return [members for _, members in runs]
 
 
 def check_positions(data: TensorDict) -> None:
@@ -95,13 +131,15 @@ def scatter_response_values(
     """Place each row's [T_i] response values at positions P_i-1 .. P_i+T_i-2 of a [total] flat tensor.
 
     That is veRL's layout for log_probs/entropy over prompt + response (position t scores token t+1);
-    other positions are zero.
+    other positions, and rows whose entry is None (no response tokens), are zero.
     """
     input_ids = data["input_ids"]
     offsets = input_ids.offsets().tolist()
     lengths = prompt_lengths(data).tolist()
     out = torch.zeros(offsets[-1], dtype=dtype, device=input_ids.values().device)
     for row, vals in enumerate(per_row):
+        if vals is None:
+            continue
         start = offsets[row] + int(lengths[row]) - 1
         out[start : start + vals.numel()] = vals
     return out

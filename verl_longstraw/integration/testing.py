@@ -104,10 +104,12 @@ def make_batch(
     world_size: int = 1,
     prompt_len: tuple[int, int] = (4, 12),
     response_len: tuple[int, int] = (2, 9),
+    empty_responses: int = 0,
 ):
     """GRPO batch in veRL 0.9.1's layout: no-padding nested input_ids, `uid`, rows shuffled.
 
-    Lengths are drawn from the half-open ranges `prompt_len` and `response_len`. Returns this
+    Lengths are drawn from the half-open ranges `prompt_len` and `response_len`; the last
+    `empty_responses` samples have none (attention mask zero over the response). Returns this
     rank's contiguous slice (rows are shuffled first, so groups split across ranks and
     micro-batches).
     """
@@ -124,6 +126,7 @@ def make_batch(
             responses.append(tokens(response_len))
             uids.append(f"uid-{k}")
     n = len(prompts)
+    responses[n - empty_responses :] = [responses[0][:0]] * empty_responses
     p_max, r_max = max(len(p) for p in prompts), max(len(r) for r in responses)
     prompt_pad = torch.zeros(n, p_max, dtype=torch.long)
     resp_pad = torch.zeros(n, r_max, dtype=torch.long)

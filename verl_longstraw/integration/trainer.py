@@ -5,9 +5,13 @@ veRL's `_balance_batch` reorders single samples by sequence length, which scatte
 responses over ranks (each fragment then captures the prompt again). Here samples are
 partitioned group by group (largest workload first, onto the least-loaded rank with room);
 a group is split only when no rank has room for all of it. Partitions keep veRL's equal sizes.
+
+veRL knows this mode as "sync" and reads its settings from `trainer.v1.sync`; a
+`trainer.v1.longstraw_sync` block would be ignored, so it is refused.
 """
 
 import torch
+from omegaconf import DictConfig
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -54,6 +58,14 @@ class LongStrawTrainerSync(PPOTrainerSync):
 
     # veRL branches on `trainer_mode == "sync"` in many places; behave exactly like "sync" there.
     trainer_mode = property(lambda self: "sync", lambda self, value: None)
+
+    def __init__(self, config: DictConfig) -> None:
+        if config.trainer.v1.get("longstraw_sync"):
+            raise ValueError(
+                "trainer.v1.longstraw_sync is not read: the longstraw_sync mode runs veRL's sync trainer, "
+                "whose settings veRL reads from trainer.v1.sync; move them to trainer.v1.sync."
+            )
+        super().__init__(config)
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         """Reorder the batch so each dp rank gets whole groups and similar total workload."""

@@ -1,0 +1,53 @@
+"""FSDP2 control (integration/fsdp2.py) on a tiny fully_shard model: settings read back as the public
+setters wrote them, held unsharded inside `held_unsharded`, restored as found on exit."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from verl_longstraw.integration.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings
+
+
+@pytest.fixture
+def model(dist) -> nn.Sequential:
+    """Two FSDP2 layers and a root that owns the last layer's parameters (default settings)."""
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    for layer in model[:2]:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _sharded(model: nn.Module) -> list[bool]:
+    return [isinstance(p, DTensor) for p in model.parameters()]
+
+
+def test_settings_read_back_what_the_public_setters_set(model):
+    # fully_shard's default: the root keeps its parameters after forward once initialized, the others reshard
+    defaults = ShardingSettings(reshard_after_forward=True, reshard_after_backward=True, requires_gradient_sync=True)
+    root = ShardingSettings(reshard_after_forward=False, reshard_after_backward=True, requires_gradient_sync=True)
+    assert sharding_settings(model) == {model: root, model[0]: defaults, model[1]: defaults}
+    for forward in (False, True):
+        for backward in (False, True):
+            for sync in (False, True):
+                settings = ShardingSettings(forward, backward, sync)
+                settings.apply(model[1])
+                assert sharding_settings(model)[model[1]] == settings
+
+
+def test_held_unsharded_holds_then_restores_as_found(model):
+    ShardingSettings(True, False, True).apply(model[0])
+    ShardingSettings(False, True, False).apply(model[1])
+    ShardingSettings(True, True, False).apply(model)
+    before = sharding_settings(model)
+    with held_unsharded(model):
+        assert set(sharding_settings(model).values()) == {HELD}
+        model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4)).sum().backward()
+        assert not any(_sharded(model)), "a forward or backward resharded inside held_unsharded"
+    assert sharding_settings(model) == before
+    assert all(_sharded(model))
