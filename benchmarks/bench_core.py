@@ -37,11 +37,9 @@ import torch
 
 from verl_longstraw import group_backward
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.testing import make_group
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from reference import make_group  # noqa: E402  (the tests' random group)
 
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
 PATHS = ("standard", "detached", "exact", "chunked_exact")

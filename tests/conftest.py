@@ -1,10 +1,6 @@
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from models import VOCAB, tiny_model
-from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
 
 from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.replay import capture
-from verl_longstraw.tiny import DENSE_VARIANTS
+from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+from verl_longstraw.tiny import DENSE_VARIANTS, VOCAB, tiny_model
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:

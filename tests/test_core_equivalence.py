@@ -2,14 +2,24 @@
 
 import pytest
 import torch
-from models import FAMILIES, VOCAB, exact_linear_attention, tiny_model
-from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
 
 from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw.testing import (
+    exact_linear_attention,
+    full_log_probs,
+    grads_of,
+    make_group,
+    relative_error,
+    standard_grads,
+    weighted_loss,
+)
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 PROMPT_LEN = 301
 RESPONSE_LENS = (17, 1, 40)
 CHUNKINGS = (None, 64, 97)
+FLOAT64_GRAD_TOL = 2 * torch.finfo(torch.float32).eps  # see test_exact_gradient_float64
+DETACHED_ERROR_MIN = 0.05  # detached vs standard gradient, relative L2: measured 0.19-0.41 on these models
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,7 +42,7 @@ def test_log_probs_match_full_forward(model, group, chunk_size):
     prompt, responses = group
     log_probs, entropies = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True)
     with torch.no_grad():
-        for response, lp, ent in zip(responses, log_probs, entropies):
+        for response, lp, ent in zip(responses, log_probs, entropies, strict=True):
             ref_lp, ref_ent = full_log_probs(model, prompt, response)
             assert lp.dtype == torch.float32 and lp.shape == response.shape
             assert (lp - ref_lp).abs().max() < 1e-5
@@ -57,13 +67,14 @@ def test_exact_gradient_matches_standard(model, group, reference_grads, chunk_si
 
 
 def test_detached_gradient_runs_and_is_biased(model, group, reference_grads, record_property):
+    """Detached mode drops the gradient through the prompt state: its relative L2 error against the
+    standard gradient is far above float rounding (DETACHED_ERROR_MIN) and finite."""
     prompt, responses = group
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, prompt_grad="detached")
     error = relative_error(grads_of(model), reference_grads)
     record_property("detached_relative_error", error)
-    print(f"{model.config.model_type}: detached gradient relative L2 error vs standard = {error:.3f}")
-    assert 0.0 < error < float("inf")
+    assert DETACHED_ERROR_MIN < error < 1.0, f"{model.config.model_type}: detached error {error:.3g}"
 
 
 def test_entropy_in_loss(model, group):
@@ -85,10 +96,16 @@ def test_entropy_in_loss(model, group):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_gradient_float64(family, monkeypatch):
+    """Float64 models: the exact gradient matches within FLOAT64_GRAD_TOL (the float32 tests allow 1e-5).
+
+    transformers computes norms and attention softmax in float32 even for float64 models, so the
+    error is float32 roundings that fall differently in the two paths (measured 1.5e-8 to 7.8e-8,
+    0.1-0.7 float32 eps, AVX2 and AVX-512 alike); FLOAT64_GRAD_TOL is 2 float32 eps.
+    """
     model = tiny_model(family, dtype=torch.float64)
     exact_linear_attention(model, monkeypatch)
     prompt, responses = make_group(VOCAB, 97, (9, 3))
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, chunk_size=40)
-    assert relative_error(grads_of(model), expected) < 1e-7
+    assert relative_error(grads_of(model), expected) < FLOAT64_GRAD_TOL

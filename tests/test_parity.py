@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("parity_analyze", REPO / "recipes" / "parity" / "analyze.py")
-analyze = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(analyze)
+from verl_longstraw.testing import load_script
+
+analyze = load_script(Path(__file__).resolve().parents[1] / "recipes" / "parity" / "analyze.py")
 
 
 def write_run(folder: Path, rewards: list[float], grad_norm: float, step_s: float) -> None:

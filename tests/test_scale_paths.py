@@ -1,30 +1,36 @@
 """Scale paths equal their references: absorbed MLA vs decompressed K/V, blocked attention vs SDPA,
 MLA replay never saves per-head K/V of the prompt, and bfloat16 replay stays as close to the
 float32 standard path as the bfloat16 standard path is.
-
-Measured bfloat16 errors against the float32 standard path (P=130, G=3, chunk 48, CPU):
-see ``test_bfloat16_matches_float32_standard``; bounds are ~2x the measured values.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from models import VOCAB, tiny_model
-from reference import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
 
 import verl_longstraw.ops.attention as attention_ops
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.adapters.mla import MultiHeadLatentAttentionAdapter
 from verl_longstraw.replay import accumulate_state_grads
+from verl_longstraw.testing import (
+    full_log_probs,
+    grads_of,
+    make_group,
+    no_worse_than_standard,
+    relative_error,
+    replay_errors,
+    standard_grads,
+    weighted_loss,
+)
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 PROMPT_LEN = 130
 RESPONSE_LENS = (11, 1, 30)
 CHUNK = 48
-BF16_LOG_PROB_TOL = 0.01  # max |log p| error; measured 0.0017-0.0030
-BF16_GRAD_TOL = 0.02  # relative L2 gradient error; measured 0.0067-0.0082
+# Sanity bound on bf16 errors against the float32 standard path (max |log p| error and gradient
+# relative L2), for any CPU: the largest measured is 0.057 (deepseek_v3, standard and, on AVX2
+# only, replay alike; 0.002-0.008 for the other families, AVX2 and AVX-512/AMX).
+BF16_SANITY_BOUND = 0.2
 
 
 def _run(model, prompt, responses, chunk_size):
@@ -35,7 +41,9 @@ def _run(model, prompt, responses, chunk_size):
     return log_probs, grads_of(model)
 
 
-@pytest.mark.parametrize("family, overrides", [("deepseek_v3", {}), ("glm_moe_dsa", {}), ("glm_moe_dsa", {"index_topk": 64})])
+@pytest.mark.parametrize(
+    "family, overrides", [("deepseek_v3", {}), ("glm_moe_dsa", {}), ("glm_moe_dsa", {"index_topk": 64})]
+)
 def test_absorbed_mla_equals_decompressed(family, overrides, monkeypatch):
     """Absorbed latent attention = per-head decompressed K/V (dense and, for DSA, sparse top-k masks)."""
     model = tiny_model(family, **overrides)
@@ -43,7 +51,7 @@ def test_absorbed_mla_equals_decompressed(family, overrides, monkeypatch):
     absorbed_lp, absorbed_grads = _run(model, prompt, responses, CHUNK)
     monkeypatch.setattr(MultiHeadLatentAttentionAdapter, "absorbed", False)
     ref_lp, ref_grads = _run(model, prompt, responses, CHUNK)
-    for a, b in zip(absorbed_lp, ref_lp):
+    for a, b in zip(absorbed_lp, ref_lp, strict=True):
         assert (a - b).abs().max() < 1e-5
     assert relative_error(absorbed_grads, ref_grads) < 1e-5
 
@@ -63,10 +71,14 @@ def test_blocked_attention_equals_standard(family, overrides, monkeypatch):
     calls = []
     blocked = attention_ops.prefix_causal_attention_blocked
     monkeypatch.setattr(attention_ops, "MASK_BYTES_LIMIT", 0)
-    monkeypatch.setattr(attention_ops, "prefix_causal_attention_blocked", lambda *a, **k: calls.append(1) or blocked(*a, **k))
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return blocked(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "prefix_causal_attention_blocked", counted)
     log_probs, grads = _run(model, prompt, responses, CHUNK)
     assert calls, "the blocked op was never dispatched"
-    for lp, ref in zip(log_probs, expected_lp):
+    for lp, ref in zip(log_probs, expected_lp, strict=True):
         assert (lp - ref).abs().max() < 1e-5
     assert relative_error(grads, expected) < 1e-5
 
@@ -100,25 +112,16 @@ def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
     assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
 
 
-@pytest.mark.parametrize("family", ("qwen3_5", "deepseek_v3"))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_matches_float32_standard(family, record_property):
-    """bf16 replay (chunked exact) vs the fp32 standard path: within the bounds above and within
-    1.5x of the error the bf16 standard path itself makes."""
-    model = tiny_model(family)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
-    expected = standard_grads(model, prompt, responses, weighted_loss)
-    standard_bf16 = standard_grads(bf16, prompt, responses, weighted_loss)
-    with torch.no_grad():
-        expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
-    log_probs, grads = _run(bf16, prompt, responses, CHUNK)
-    lp_error = max(float((lp - ref).abs().max()) for lp, ref in zip(log_probs, expected_lp))
-    grad_error = relative_error(grads, expected)
-    record_property("bf16_log_prob_error", lp_error)
-    record_property("bf16_grad_error", grad_error)
-    assert lp_error < BF16_LOG_PROB_TOL
-    assert grad_error < BF16_GRAD_TOL
-    assert grad_error < 1.5 * relative_error(standard_bf16, expected)
+    """bf16 replay (chunked exact) vs the fp32 standard path: no worse than the bf16 standard path
+    on the same machine (its error depends on the CPU's bf16 kernels), and sane in absolute terms."""
+    errors = replay_errors(tiny_model(family), torch.bfloat16, *make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS),
+                           weighted_loss, CHUNK)
+    for name, value in errors.items():
+        record_property(f"bf16_{name}_error", value)
+    assert no_worse_than_standard(errors, torch.bfloat16), errors
+    assert max(errors.values()) < BF16_SANITY_BOUND, errors
 
 
 def test_state_gradients_accumulate_in_float32():

@@ -14,11 +14,12 @@ import json
 import math
 import os
 import random
+import runpy
 import sys
 import time
+from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import task  # noqa: E402
+task = SimpleNamespace(**runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "task.py")))
 
 
 def model_config(vocab_size: int, tokenizer, hidden: int = 128, layers: int = 4, max_pos: int = 8192):

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kv_retrieval"))
-from summarize import REWARD, load_metrics  # noqa: E402
+_summarize = runpy.run_path(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kv_retrieval", "summarize.py")
+)
+REWARD, load_metrics = _summarize["REWARD"], _summarize["load_metrics"]
 
 GRAD_NORM = "actor/grad_norm"
 STEP_TIME = "timing_s/step"

@@ -15,6 +15,7 @@ from verl_longstraw.ops.attention import (
     prefix_causal_attention_reference,
 )
 from verl_longstraw.ops.blocked_attention import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
+from verl_longstraw.testing import no_worse_than_standard
 
 NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -105,11 +106,15 @@ def test_gradcheck() -> None:
 
 
 def test_bfloat16_inputs() -> None:
+    """bf16 output about as close to the float32 result as SDPA's in bf16 on the same machine."""
     inputs = {n: x.detach().bfloat16() for n, x in make_inputs(*CASES["gqa"][:7], torch.float32).items()}
     out = prefix_causal_attention_blocked(*inputs.values(), 0.25, block_size=7)
+    standard = prefix_causal_attention_reference(*inputs.values(), 0.25)
     ref = prefix_causal_attention_reference(*(x.float() for x in inputs.values()), 0.25)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    errors = {"out": float((out.float() - ref).abs().max()),
+              "standard_out": float((standard.float() - ref).abs().max())}
+    assert no_worse_than_standard(errors, torch.bfloat16), errors
 
 
 def saved_numels(fn, inputs: dict[str, torch.Tensor], scale: float, **kwargs) -> list[int]:

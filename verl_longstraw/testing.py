@@ -1,0 +1,149 @@
+"""The standard path LongStraw is compared with, and the comparisons (tests, benchmarks, gpu_check).
+
+The standard path is one full forward (and backward) per ``prompt ++ response``; tiny models of
+every family are in ``verl_longstraw.tiny``. Nothing here is used by training.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
+
+if TYPE_CHECKING:
+    import pytest
+
+Grads = dict[str, torch.Tensor]
+LossFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+# A low-precision replay is as accurate as the standard path when its error against the float32
+# standard path is at most STANDARD_ERROR_FACTOR x the error the standard path makes in the same
+# dtype on the same machine (the error depends on the CPU's kernels: bf16 deepseek_v3 standard
+# log-probs err by 0.055 on AVX2 and AVX-512 alike, its replay by 0.054 on AVX2 and 0.0027 with
+# AVX-512), or below ERROR_FLOOR_EPS x the dtype's eps (guards a standard error that is ~0 by chance;
+# measured errors on the tiny models are >= 0.25 eps). Measured replay/standard error ratios: 0.05-1.06.
+STANDARD_ERROR_FACTOR = 1.5
+ERROR_FLOOR_EPS = 0.125
+
+
+def full_log_probs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):
+    """Float32 log-probs [T] and entropies [T] of ``response`` [T] from one forward over
+    ``prompt`` [P] ++ ``response``."""
+    logits = model(torch.cat([prompt, response])[None]).logits[0].float() / temperature
+    log_probs = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, response[:, None])[:, 0], entropy
+
+
+def standard_grads(model, prompt: torch.Tensor, responses: Sequence[torch.Tensor], loss_fn: LossFn) -> Grads:
+    """Gradient of sum_i loss_fn(i, logps_i) computed the standard way (``model``'s .grad is overwritten)."""
+    model.zero_grad(set_to_none=True)
+    for i, response in enumerate(responses):
+        loss_fn(i, full_log_probs(model, prompt, response)[0]).backward()
+    return grads_of(model)
+
+
+def grads_of(model) -> Grads:
+    """Copies of every parameter's .grad by name (zeros where a parameter got none)."""
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def relative_error(a: Grads, b: Grads) -> float:
+    """Relative L2 error of gradient set ``a`` against reference ``b`` over all parameters."""
+    num = sum((a[n].double() - b[n].double()).pow(2).sum() for n in b)
+    den = sum(v.double().pow(2).sum() for v in b.values())
+    return float((num / den).sqrt())
+
+
+def max_abs_error(values: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) -> float:
+    """Largest |value - reference| over paired tensors (e.g. per-response log-probs [T_i])."""
+    return max(float((v.float() - r.float()).abs().max()) for v, r in zip(values, references, strict=True))
+
+
+def weighted_loss(i: int, log_probs: torch.Tensor) -> torch.Tensor:
+    """A GRPO-like per-response loss of log-probs [T]: advantage-signed, position-weighted
+    log-likelihood (a scalar on ``log_probs``' device)."""
+    advantage = 1.0 if i % 2 == 0 else -0.5
+    weights = torch.linspace(0.5, 1.5, len(log_probs), dtype=log_probs.dtype, device=log_probs.device)
+    return -advantage * (weights * log_probs).mean()
+
+
+def make_group(vocab: int, prompt_len: int, response_lens: Sequence[int], seed: int = 0,
+               device: torch.device | str = "cpu"):
+    """Random token ids (prompt [prompt_len], responses [[T_i] for T_i in response_lens]), drawn on
+    the CPU (the same ids for every device) and placed on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (prompt_len, *response_lens)
+    ids = [torch.randint(0, vocab, (n,), generator=gen, device=gen.device).to(device) for n in lengths]
+    return ids[0], ids[1:]
+
+
+def replay_errors(model, dtype: torch.dtype, prompt, responses, loss_fn: LossFn, chunk_size: int | None) -> dict:
+    """Errors against ``model``'s float32 standard path of ``model`` cast to ``dtype``: of the replay
+    (log-probs, chunked exact gradients) and of the standard path itself in ``dtype``.
+
+    Returns floats: ``log_prob`` and ``standard_log_prob`` (max |log p| error), ``grad`` and
+    ``standard_grad`` (relative L2 gradient error). ``model`` is float32 and is left unchanged.
+    """
+    expected = standard_grads(model, prompt, responses, loss_fn)
+    cast = copy.deepcopy(model).to(dtype)
+    standard = standard_grads(cast, prompt, responses, loss_fn)
+    with torch.no_grad():
+        expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
+        standard_lp = [full_log_probs(cast, prompt, r)[0] for r in responses]
+    log_probs = group_log_probs(cast, prompt, responses, chunk_size=chunk_size)
+    cast.zero_grad(set_to_none=True)
+    group_backward(cast, prompt, responses, loss_fn, prompt_grad="exact", chunk_size=chunk_size)
+    return {
+        "log_prob": max_abs_error(log_probs, expected_lp),
+        "standard_log_prob": max_abs_error(standard_lp, expected_lp),
+        "grad": relative_error(grads_of(cast), expected),
+        "standard_grad": relative_error(standard, expected),
+    }
+
+
+def no_worse_than_standard(errors: dict[str, float], dtype: torch.dtype) -> bool:
+    """Whether every error ``errors[k]`` of LongStraw's path in ``dtype`` is at most
+    STANDARD_ERROR_FACTOR x ``errors[f"standard_{k}"]`` (the standard path's in the same dtype on
+    the same machine) or below ERROR_FLOOR_EPS x ``dtype``'s eps; e.g. ``replay_errors``' output."""
+    floor = ERROR_FLOOR_EPS * torch.finfo(dtype).eps
+    keys = [k for k in errors if not k.startswith("standard_")]
+    return all(errors[k] <= max(STANDARD_ERROR_FACTOR * errors[f"standard_{k}"], floor) for k in keys)
+
+
+def exact_linear_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the model's own (standard-path) Gated DeltaNet compute in the input dtype.
+
+    transformers runs its torch Gated DeltaNet in float32 even for float64 models, which
+    caps a float64 comparison at ~1e-7. The token-by-token reference recurrence (an
+    algorithm independent of the chunked one replay uses) keeps float64 throughout.
+    """
+
+    def recurrence(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **_):
+        out, state = gated_delta_rule_reference(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+        return out, (state if output_final_state else None)
+
+    for module in model.modules():
+        if hasattr(module, "chunk_gated_delta_rule"):
+            monkeypatch.setattr(module, "chunk_gated_delta_rule", recurrence)
+            monkeypatch.setattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", recurrence)
+
+
+def load_script(path: str | Path) -> ModuleType:
+    """The Python file ``path`` (a benchmark or recipe script) as a module named ``<folder>_<stem>``."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
