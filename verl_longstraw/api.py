@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -21,7 +22,6 @@ from .replay import (
 )
 
 from .state import PromptState
-from .timing import Stopwatch
 
 PROMPT_GRAD_MODES = ("exact", "detached")
 LossFn = Callable[..., torch.Tensor]
@@ -80,19 +80,22 @@ def _prompt_state(
     stats: GroupStats,
     state: PromptState | None,
 ) -> PromptState:
-    """``state`` after checking it belongs to this prompt and chunking, else a fresh capture of ``prompt_ids[:-1]``."""
+    """``state`` after checking it was captured from ``prompt_ids`` with this chunking, else a fresh
+    capture of ``prompt_ids[:-1]`` bound to ``prompt_ids``."""
     if state is not None:
         if state.length != len(prompt_ids) - 1 or state.filled != state.length:
             raise ValueError(f"state holds {state.filled} of {state.length} tokens; this prompt needs "
                              f"{len(prompt_ids) - 1} (pass the state captured from these prompt_ids)")
+        state.check_prompt(prompt_ids)
         if state.chunk_size != chunk_size:
             raise ValueError(f"state was captured with chunk_size={state.chunk_size}, not {chunk_size}")
         if keep_boundaries and state.boundaries is None:
             raise ValueError("prompt_grad='exact' needs a state captured with for_backward=True")
         return state
-    watch = Stopwatch(prompt_ids.device)
+    t0 = time.perf_counter()
     state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries)
-    stats.capture_s += watch.seconds()
+    state.bind(prompt_ids)
+    stats.capture_s += time.perf_counter() - t0
     stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
     return state
 
@@ -140,7 +143,7 @@ def group_log_probs(
     log_probs, entropies = [], []
     with torch.no_grad():
         past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state).current()
-        watch = Stopwatch(device)
+        t0 = time.perf_counter()
         for response in responses:
             response = response.to(device)
             logits = run_segment(adapter, response_inputs(prompt_ids, response), len(prompt_ids) - 1, past, True)
@@ -148,7 +151,7 @@ def group_log_probs(
             log_probs.append(lp)
             entropies.append(ent)
             stats.response_tokens += len(response)
-        stats.replay_s += watch.seconds()
+        stats.replay_s += time.perf_counter() - t0
     return (log_probs, entropies) if return_entropy else log_probs
 
 
@@ -182,7 +185,8 @@ def group_backward(
     if memory_budget_bytes is not None:
         dtype = next(model.parameters()).dtype
         longest = max(len(r) for r in responses)
-        estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size, prompt_grad, dtype)
+        estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size, prompt_grad,
+                                   dtype, specs=adapter.specs())
         check_budget(estimate, memory_budget_bytes, chunk_size)
     device = _device(model)
     prompt_ids = prompt_ids.to(device)
@@ -192,7 +196,7 @@ def group_backward(
     state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state)
     leaves = as_leaves(state, requires_grad=exact)
 
-    watch = Stopwatch(device)
+    t0 = time.perf_counter()
     losses, state_grads = [], None
     for i, response in enumerate(responses):
         response = response.to(device)
@@ -206,10 +210,10 @@ def group_backward(
             state_grads = accumulate_state_grads(leaves, state_grads)
         losses.append(loss.detach())
         stats.response_tokens += len(response)
-    stats.replay_s += watch.seconds()
+    stats.replay_s += time.perf_counter() - t0
 
     if exact and leaves is not None:
-        watch = Stopwatch(device)
+        t0 = time.perf_counter()
         backward_prompt(adapter, prompt_ids[:-1], chunk_size, state, state_grads)
-        stats.prompt_backward_s += watch.seconds()
+        stats.prompt_backward_s += time.perf_counter() - t0
     return torch.stack(losses)

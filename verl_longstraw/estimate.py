@@ -1,9 +1,12 @@
 """Pre-flight memory estimate for one GRPO group, from a transformers config alone.
 
 ``estimate_memory`` predicts, in bytes:
-- ``state_bytes``: the prompt state (exact: it is the adapters' state format, see
-  ``verl_longstraw.state``), for P - 1 captured tokens;
-- ``state_grad_bytes``: the float32 sums of the state gradients held in exact mode;
+- ``state_bytes``: the prompt state for P - 1 captured tokens, what ``PromptState.nbytes``
+  measures (exact: it sums the adapter's own ``state_specs``, read from a model built on the
+  meta device, so estimate and state share one layout): growing tensors, fixed-size tensors
+  and, in exact mode, their copies kept at every chunk boundary;
+- ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held
+  in exact mode;
 - ``saved_peak_bytes``: the peak of tensors saved for backward (what ``SavedTensorMeter``
   counts), the larger of the replay phase (one response of T tokens after the prompt) and,
   in exact mode, the prompt backward (the last chunk, whose prefix is longest).
@@ -18,11 +21,15 @@ term; it does not grow with P). ``check_budget`` turns the estimate into an earl
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import transformers
 
+from .adapters import adapter_for
 from .ops import attention as attention_ops
+from .state import StateSpec
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
@@ -53,6 +60,19 @@ class MemoryEstimate:
         return self.state_bytes + self.state_grad_bytes + self.saved_peak_bytes
 
 
+def state_specs(config) -> list[tuple[StateSpec, ...]]:
+    """Per-layer prompt-state layout of ``config``'s model: its adapter's ``state_specs``, read from
+    the model built on the meta device (no weights, no memory)."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return adapter_for(model.eval()).specs()
+
+
+def _spec_bytes(spec: StateSpec, length: int, dtype: torch.dtype) -> int:
+    """Bytes of one state tensor for ``length`` prompt tokens in a model of ``dtype``."""
+    return spec.numel(length) * spec.dtype(dtype).itemsize
+
+
 def _layer_kinds(config) -> list[str]:
     """'attention', 'linear' (Gated DeltaNet) or 'mla' per layer."""
     if getattr(config, "kv_lora_rank", None):
@@ -76,31 +96,17 @@ def _mlp_width(config, idx: int) -> int:
 class _Shapes:
     """Per-layer state and per-token widths of a config."""
 
-    def __init__(self, config, dtype: torch.dtype):
+    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]]):
         self.config = config
         self.kinds = _layer_kinds(config)
         self.act = torch.tensor([], dtype=dtype).element_size()
         c = config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-
-    def state_row_bytes(self, kind: str) -> int:
-        """Bytes per prompt token of a layer's growing state."""
-        c = self.config
-        if kind == "attention":
-            return 2 * self.kv_heads * self.head_dim * self.act
-        if kind == "mla":
-            return (c.kv_lora_rank + c.qk_rope_head_dim + (getattr(c, "index_head_dim", 0) or 0)) * self.act
-        return 0
-
-    def fixed_state_bytes(self, kind: str) -> int:
-        """Bytes of a layer's fixed-size state (Gated DeltaNet conv state and float32 recurrent state)."""
-        if kind != "linear":
-            return 0
-        c = self.config
-        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
-        conv = (2 * key_dim + value_dim) * (c.linear_conv_kernel_dim - 1) * self.act
-        return conv + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        # bytes per prompt token of the state attention reads (and saves): growing, differentiable
+        self.attended_row_bytes = [
+            sum(_spec_bytes(s, 1, dtype) for s in layer if s.growing and s.differentiable) for layer in specs
+        ]
 
     def token_bytes(self, idx: int, kind: str) -> float:
         """Activation bytes one token saves in layer ``idx`` (not growing with the prefix)."""
@@ -122,8 +128,9 @@ class _Shapes:
     def gdn_float32_bytes(self) -> float:
         """Float32 bytes per (padded) token that the chunked gated delta rule saves."""
         c = self.config
-        widths = 2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_num_value_heads * c.linear_value_head_dim
-        return 4 * (GDN_MIXER * widths + GDN_CHUNK * c.linear_num_value_heads * GDN_CHUNK_LEN)
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        return 4 * (GDN_MIXER * 2 * (key_dim + value_dim) + GDN_CHUNK * c.linear_num_value_heads * GDN_CHUNK_LEN)
 
     def attention_rows(self, kind: str) -> int:
         """Mask rows per token: the query heads of a key head where the reference folds them into
@@ -139,8 +146,9 @@ class _Shapes:
         total = 0.0
         masks: set[int] = set()
         for idx, kind in enumerate(self.kinds):
+            row_bytes = self.attended_row_bytes[idx]
             if last_layer_stops and idx == len(self.kinds) - 1:  # only its norm and state projections run
-                total += tokens * self.act * (NORM / 2 * self.config.hidden_size + 2 * self.state_row_bytes(kind) / self.act)
+                total += tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
             total += tokens * self.token_bytes(idx, kind)
             if kind == "linear":  # the chunked rule pads the segment to whole chunks
@@ -150,7 +158,7 @@ class _Shapes:
             keys = prefix + tokens
             blocked = prefix > 0 and rows * keys * self.act > attention_ops.MASK_BYTES_LIMIT
             if blocked:  # the op saves the prefix views, i.e. the whole state buffer, plus its own rows
-                total += self.state_row_bytes(kind) * (state_len + tokens)
+                total += row_bytes * (state_len + tokens)
                 continue
             if kind == "mla":  # key dim != value dim: the math backend saves probabilities, not the mask
                 rank = self.config.kv_lora_rank
@@ -171,16 +179,27 @@ def estimate_memory(
     chunk_size: int | None = None,
     prompt_grad: str = "exact",
     dtype: torch.dtype = torch.bfloat16,
+    specs: list[tuple[StateSpec, ...]] | None = None,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` for a prompt of ``prompt_len`` tokens and ``group_size``
-    responses of at most ``response_len`` tokens (responses replay one at a time, so G only scales time)."""
+    responses of at most ``response_len`` tokens (responses replay one at a time, so G only scales time).
+
+    ``specs``: the model's per-layer state layout (``adapter.specs()``) when a model is at hand;
+    None builds it from ``config`` (``state_specs``).
+    """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    shapes = _Shapes(config, dtype)
+    specs = specs if specs is not None else state_specs(config)
+    shapes = _Shapes(config, dtype, specs)
     state_len = prompt_len - 1
-    state = sum(state_len * shapes.state_row_bytes(k) + shapes.fixed_state_bytes(k) for k in shapes.kinds)
     exact = prompt_grad == "exact"
-    grad_scale = 4 / shapes.act if dtype != torch.float64 else 1
-    state_grad = int(state * grad_scale) if exact else 0
+    segments = -(-state_len // (chunk_size or max(state_len, 1)))
+    fixed_copies = segments if exact else min(segments, 1)  # exact mode keeps every segment's start state
+    layout = [s for layer in specs for s in layer]
+    state = sum(_spec_bytes(s, state_len, dtype) * (1 if s.growing else fixed_copies) for s in layout)
+    state_grad = 0
+    if exact and state_len:
+        grad_dtype = torch.promote_types(dtype, torch.float32)
+        state_grad = sum(_spec_bytes(s, state_len, grad_dtype) for s in layout if s.differentiable)
     replay = shapes.segment_saved(response_len, state_len, state_len, last_layer_stops=False)
     replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
     backward = 0

@@ -13,7 +13,11 @@ from ..ops.attention import prefix_causal_attention
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
-KV_SPEC = (StateSpec(growing=True), StateSpec(growing=True))
+
+def kv_specs(attn: nn.Module) -> tuple[StateSpec, ...]:
+    """K and V, one token's row each [1, kv_heads, 1, head_dim]."""
+    row = StateSpec(growing=True, shape=(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim))
+    return row, row
 
 
 def attention_mix(
@@ -74,7 +78,7 @@ class DenseAttentionAdapter(Adapter):
             )
 
     def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
-        return KV_SPEC
+        return kv_specs(self.layers[idx].self_attn)
 
     def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
         return empty_kv(self.layers[idx].self_attn, like)

@@ -15,9 +15,15 @@ from torch import nn
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..state import LayerState, StateSpec
 from .base import Adapter, register
-from .dense import KV_SPEC, attention_mix, empty_kv
+from .dense import attention_mix, empty_kv, kv_specs
 
-RECURRENT_SPEC = (StateSpec(growing=False), StateSpec(growing=False))
+
+def recurrent_specs(mixer: nn.Module) -> tuple[StateSpec, ...]:
+    """Conv state [1, conv_dim, kernel - 1] (model dtype), recurrent state [1, v_heads, k_dim, v_dim]
+    (at least float32)."""
+    conv = StateSpec(growing=False, shape=(1, mixer.conv_dim, mixer.conv_kernel_size - 1))
+    shape = (1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+    return conv, StateSpec(growing=False, shape=shape, min_dtype=torch.float32)
 
 
 def _project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -36,7 +42,7 @@ def gated_deltanet_mix(mixer: nn.Module, x: torch.Tensor, past: LayerState) -> t
     seq_len = x.shape[1]
     qkv, z, b, a = _project(mixer, x)
     conv_in = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [1, conv_dim, K-1+S]
-    new_conv_state = conv_in[..., -(mixer.conv_kernel_size - 1) :]
+    new_conv_state = conv_in[..., -(mixer.conv_kernel_size - 1) :].clone()  # a view would keep conv_in alive
     weight = mixer.conv1d.weight
     mixed = F.silu(F.conv1d(conv_in, weight, mixer.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
     q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
@@ -61,7 +67,8 @@ class HybridGatedDeltaNetAdapter(Adapter):
         return self.config.layer_types[idx] == "linear_attention"
 
     def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
-        return RECURRENT_SPEC if self._is_linear(idx) else KV_SPEC
+        layer = self.layers[idx]
+        return recurrent_specs(layer.linear_attn) if self._is_linear(idx) else kv_specs(layer.self_attn)
 
     def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
         layer = self.layers[idx]

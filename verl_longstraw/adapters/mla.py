@@ -16,15 +16,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference, prefix_causal_mask
+from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference
+from ..ops.dsa_topk import dsa_topk_mask
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
-
-LATENT_SPEC = (StateSpec(growing=True),)
-INDEXER_SPEC = (StateSpec(growing=True), StateSpec(growing=True, differentiable=False))
 
 
 def rope_is_interleaved(config, module: nn.Module) -> bool:
@@ -45,19 +42,14 @@ def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, inte
 
 
 def _sparse_selection(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
-    """Bool key mask [S, P + S]: True for each query's top-k keys by indexer score (DSA), causal."""
-    seg, total = x.shape[1], keys.shape[1]
+    """Bool key mask [S, P + S]: True for each query's top-k keys by indexer score (DSA), causal
+    (``ops.dsa_topk``; ``keys`` [1, P + S, index_head_dim])."""
     q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [1, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)
     q = torch.cat([q_rope, q_pass], dim=-1)
     weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [1, S, H]
-    scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * indexer.softmax_scale)
-    index_scores = torch.einsum("bsht,bsh->bst", scores, weights)[0]
-    causal = prefix_causal_mask(total - seg, seg, index_scores.dtype, index_scores.device, cache=ctx.scratch)
-    top = (index_scores + causal).topk(min(indexer.index_topk, total), dim=-1).indices
-    selected = torch.zeros(seg, total, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
-    return selected & (causal == 0)
+    return dsa_topk_mask(q[0].float(), weights[0], keys[0].float(), indexer.softmax_scale, indexer.index_topk)
 
 
 @register
@@ -70,17 +62,18 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         return getattr(attn, "indexer", None) is not None and not attn.skip_topk
 
     def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
-        return INDEXER_SPEC if self._runs_indexer(idx) else LATENT_SPEC
+        attn = self.layers[idx].self_attn
+        latent = StateSpec(growing=True, shape=(1, 1, attn.kv_lora_rank + attn.qk_rope_head_dim))
+        if not self._runs_indexer(idx):
+            return (latent,)
+        return latent, StateSpec(growing=True, shape=(1, 1, attn.indexer.head_dim), differentiable=False)
 
     def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
-        attn = self.layers[idx].self_attn
-        latent = like.new_zeros(1, 0, attn.kv_lora_rank + attn.qk_rope_head_dim)
-        if self._runs_indexer(idx):
-            return latent, like.new_zeros(1, 0, attn.indexer.head_dim)
-        return (latent,)
+        return tuple(like.new_zeros(*spec.shape[:-2], 0, spec.shape[-1]) for spec in self.state_specs(idx))
 
     def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState):
-        """(extra indexer-key state, bool key mask [S, P + S] or None) for a DSA layer; None when top-k keeps every key."""
+        """(extra indexer-key state, bool key mask [S, P + S] or None) for a DSA layer; None when top-k keeps
+        every key."""
         if not hasattr(self.config, "index_topk"):
             return (), None
         total = past[0].shape[1] + ctx.length
@@ -125,7 +118,8 @@ class MultiHeadLatentAttentionAdapter(Adapter):
             )
             out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
         else:
-            out = self._decompressed_attention(attn, q_nope, q_rope, torch.cat([past[0], segment], dim=1), mask, w_k, w_v)
+            state = torch.cat([past[0], segment], dim=1)
+            out = self._decompressed_attention(attn, q_nope, q_rope, state, mask, w_k, w_v)
         out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
         return attn.o_proj(out), (segment, *extra_state)
 
