@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from models import FAMILIES, VOCAB, tiny_model
-from reference import make_group, weighted_loss
 
 from verl_longstraw import GroupStats, capture_prompt, group_backward
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.testing import make_group, weighted_loss
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 RESPONSE_LEN = 32
 CASES = (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -22,6 +21,7 @@ from .replay import (
 )
 
 from .state import PromptState
+from .timing import Stopwatch
 
 PROMPT_GRAD_MODES = ("exact", "detached")
 LossFn = Callable[..., torch.Tensor]
@@ -92,10 +92,10 @@ def _prompt_state(
         if keep_boundaries and state.boundaries is None:
             raise ValueError("prompt_grad='exact' needs a state captured with for_backward=True")
         return state
-    t0 = time.perf_counter()
+    watch = Stopwatch(prompt_ids.device)
     state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries)
     state.bind(prompt_ids)
-    stats.capture_s += time.perf_counter() - t0
+    stats.capture_s += watch.seconds()
     stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
     return state
 
@@ -143,7 +143,7 @@ def group_log_probs(
     log_probs, entropies = [], []
     with torch.no_grad():
         past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state).current()
-        t0 = time.perf_counter()
+        watch = Stopwatch(device)
         for response in responses:
             response = response.to(device)
             logits = run_segment(adapter, response_inputs(prompt_ids, response), len(prompt_ids) - 1, past, True)
@@ -151,7 +151,7 @@ def group_log_probs(
             log_probs.append(lp)
             entropies.append(ent)
             stats.response_tokens += len(response)
-        stats.replay_s += time.perf_counter() - t0
+        stats.replay_s += watch.seconds()
     return (log_probs, entropies) if return_entropy else log_probs
 
 
@@ -196,7 +196,7 @@ def group_backward(
     state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state)
     leaves = as_leaves(state, requires_grad=exact)
 
-    t0 = time.perf_counter()
+    watch = Stopwatch(device)
     losses, state_grads = [], None
     for i, response in enumerate(responses):
         response = response.to(device)
@@ -210,10 +210,10 @@ def group_backward(
             state_grads = accumulate_state_grads(leaves, state_grads)
         losses.append(loss.detach())
         stats.response_tokens += len(response)
-    stats.replay_s += time.perf_counter() - t0
+    stats.replay_s += watch.seconds()
 
     if exact and leaves is not None:
-        t0 = time.perf_counter()
+        watch = Stopwatch(device)
         backward_prompt(adapter, prompt_ids[:-1], chunk_size, state, state_grads)
-        stats.prompt_backward_s += time.perf_counter() - t0
+        stats.prompt_backward_s += watch.seconds()
     return torch.stack(losses)
