@@ -44,7 +44,8 @@ from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
 PATHS = ("standard", "detached", "exact", "chunked_exact")
 CHUNKS = 8  # chunked exact splits the prompt into this many chunks
-BOUNDED_FAMILIES = ("deepseek_v3", "glm_moe_dsa")  # standard keeps attention probabilities on CPU (MLA: v dim != qk dim)
+# standard keeps attention probabilities on CPU (MLA: v dim != qk dim)
+BOUNDED_FAMILIES = ("deepseek_v3", "glm_moe_dsa")
 
 
 def standard_attention_bound(family: str, prompt_len: int, group_size: int, response_len: int) -> dict:
@@ -132,7 +133,8 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, comma
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        std = index.get((r["family"], r["P"], r["G"], "standard")) or index.get((r["family"], r["P"], r["G"], "standard_bound"))
+        case = (r["family"], r["P"], r["G"])
+        std = index.get((*case, "standard")) or index.get((*case, "standard_bound"))
         saved_ratio = f"{r['saved_peak_mb'] / std['saved_peak_mb']:.3g}" if std else "-"
         if std and std["path"] == "standard_bound":
             saved_ratio = f"<= {saved_ratio}"
@@ -143,11 +145,14 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, comma
             f"| {r['family']} | {r['P']} | {r['G']} | {r['path']} | {r['saved_peak_mb']:.1f} | {saved_ratio} | "
             f"{cpu} | {cpu_ratio} | {rss} |"
         )
-    lines += ["", "Growth of peak saved bytes from G=2 to G=8:", "", "| family | P | path | G=8 / G=2 |", "|---|---|---|---|"]
+    lines += ["", "Growth of peak saved bytes from G=2 to G=8:", "", "| family | P | path | G=8 / G=2 |",
+              "|---|---|---|---|"]
     for (family, p, g, path), r in index.items():
         if g == 8 and (family, p, 2, path) in index:
-            lines.append(f"| {family} | {p} | {path} | {r['saved_peak_mb'] / index[(family, p, 2, path)]['saved_peak_mb']:.3f} |")
-    lines += ["", "Gradient relative L2 error against standard:", "", "| family | setting | path | error |", "|---|---|---|---|"]
+            growth = r["saved_peak_mb"] / index[(family, p, 2, path)]["saved_peak_mb"]
+            lines.append(f"| {family} | {p} | {path} | {growth:.3f} |")
+    lines += ["", "Gradient relative L2 error against standard:", "", "| family | setting | path | error |",
+              "|---|---|---|---|"]
     for key, errs in errors.items():
         family, setting = key.split(" ", 1)
         lines += [f"| {family} | {setting} | {path} | {err:.2e} |" for path, err in errs.items()]
@@ -164,14 +169,16 @@ def plot(rows: list[dict], path: str) -> None:
 
     families = sorted({r["family"] for r in rows})
     prompt_lens = sorted({r["P"] for r in rows})
-    fig, axes = plt.subplots(len(prompt_lens), len(families), figsize=(4 * len(families), 3.2 * len(prompt_lens)), squeeze=False)
+    fig, axes = plt.subplots(len(prompt_lens), len(families), figsize=(4 * len(families), 3.2 * len(prompt_lens)),
+                             squeeze=False)
     for i, p in enumerate(prompt_lens):
         for j, family in enumerate(families):
             ax = axes[i][j]
             for name in ("standard_bound", *PATHS):
-                pts = sorted((r["G"], r["saved_peak_mb"]) for r in rows if (r["family"], r["P"], r["path"]) == (family, p, name))
+                pts = sorted((r["G"], r["saved_peak_mb"]) for r in rows
+                             if (r["family"], r["P"], r["path"]) == (family, p, name))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name)
+                    ax.plot([g for g, _ in pts], [mb for _, mb in pts], marker="o", label=name)
             ax.set_yscale("log")
             ax.set_title(f"{family}, P={p}")
             ax.set_xlabel("group size G")
@@ -190,7 +197,8 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--error-prompt-len", type=int, default=4096)
     parser.add_argument("--standard-max-len", type=int, default=None,
-                        help="run standard only up to this P; beyond it (and at it, as a check) write standard_bound rows")
+                        help="run standard only up to this P; beyond it (and at it, as a check) write "
+                             "standard_bound rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--name", default="core", help="stem of the result files")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: JSON args of one configuration
@@ -207,12 +215,14 @@ def main() -> None:
             for g in args.group_sizes:
                 if args.standard_max_len is not None and family in BOUNDED_FAMILIES:
                     rows.append(standard_attention_bound(family, p, g, args.response_len))
-                    print(f"{family:12s} P={p:6d} G={g} standard_bound saved >= {rows[-1]['saved_peak_mb']:9.1f} MB", flush=True)
+                    bound_mb = rows[-1]["saved_peak_mb"]
+                    print(f"{family:12s} P={p:6d} G={g} standard_bound saved >= {bound_mb:9.1f} MB", flush=True)
                 for path in paths:
                     if path == "standard" and args.standard_max_len is not None and p > args.standard_max_len:
                         continue
                     spec = dict(family=family, prompt_len=p, group_size=g, response_len=args.response_len, path=path)
-                    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+                    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
+                                         text=True)
                     if out.returncode != 0:
                         raise RuntimeError(f"{spec} failed:\n{out.stderr[-2000:]}")
                     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -84,7 +84,7 @@ def multi_query_sequence(tokenizer, rng: random.Random, cfg: task.TaskConfig, nu
     n = num_pairs
     keys = rng.sample(range(cfg.num_keys), n)
     values = [" ".join(rng.choice(task.DIGITS) for _ in range(cfg.value_len)) for _ in range(n)]
-    body = " ".join(f"{task.key_token(k)} {v}" for k, v in zip(keys, values))
+    body = " ".join(f"{task.key_token(k)} {v}" for k, v in zip(keys, values, strict=True))
     qs = rng.sample(range(n), min(num_queries, n))
     ids: list[int] = []
     labels: list[int] = []
@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--val-size", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--warmup-steps", type=int, default=460, help="supervised steps (the target usually ends it sooner)")
+    ap.add_argument("--warmup-steps", type=int, default=460,
+                    help="supervised steps (the target usually ends it sooner)")
     ap.add_argument("--warmup-target", type=float, default=0.3,
                     help="stop once held-out p(correct digit) reaches this (0: never), leaving GRPO room to learn")
     ap.add_argument("--warmup-queries", type=int, default=16)

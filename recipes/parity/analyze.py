@@ -86,8 +86,8 @@ def main(argv=None) -> int:
     os.makedirs(args.results, exist_ok=True)
     md = ["# Parity study: fsdp2 vs longstraw exact vs longstraw detached", "",
           f"Command: `{args.command}`", "",
-          f"Reward = `{REWARD}` (digits of the value right, minus 0.1 per missing or extra token). Start/final = mean of the first/last "
-          f"{WINDOW} steps; mean ± std over seeds. Times exclude step 1.", "",
+          f"Reward = `{REWARD}` (digits of the value right, minus 0.1 per missing or extra token). "
+          f"Start/final = mean of the first/last {WINDOW} steps; mean ± std over seeds. Times exclude step 1.", "",
           "| arm | seeds | reward start | reward final | grad norm (mean) | step s | update_actor s |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:
