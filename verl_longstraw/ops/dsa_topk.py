@@ -13,6 +13,8 @@ chosen visible keys.
 ``dsa_topk_mask_reference`` scores every key at once: a [S, H, T] float32 temporary.
 ``dsa_topk_mask`` scores ``key_block`` keys at a time, summing over heads as it goes, and keeps a
 running top-k: temporaries O(S x (topk + key_block)) besides the [S, T] bool result.
+``top_sort_keys`` is that running top-k for keys at any positions (``parallel.dsa`` merges the
+top-k of the keys each rank of a context-parallel group holds).
 """
 
 from __future__ import annotations
@@ -43,19 +45,48 @@ def dsa_topk_mask(
     """``dsa_topk_mask_reference`` (same selection) scoring ``key_block`` keys at a time."""
     seg, total = q.shape[0], keys.shape[0]
     prefix = total - seg
-    query_pos = torch.arange(prefix, total, device=q.device)[:, None]
-    best = torch.empty(seg, 0, dtype=torch.int64, device=q.device)  # sort keys of the running top-k
-    for start in range(0, total, key_block):
+    last_visible = torch.arange(prefix, total, device=q.device)
+    best = top_sort_keys(q, weights, keys, scale, topk, None, last_visible, key_block)
+    chosen = sort_key_position(best)
+    return torch.zeros(seg, total, dtype=torch.bool, device=q.device).scatter_(-1, chosen, True).tril_(prefix)
+
+
+def top_sort_keys(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    topk: int,
+    key_pos: torch.Tensor | None,
+    last_visible: torch.Tensor,
+    key_block: int = KEY_BLOCK,
+) -> torch.Tensor:
+    """Sort keys int64 [S, min(topk, T)] of each query's ``topk`` best keys, in no order (shapes in the module
+    docstring; ``sort_key_position`` gives their key positions).
+
+    Key t is at position ``key_pos[t]`` (int64 [T], distinct; None: t) and visible to query s iff that
+    position is <= ``last_visible[s]`` (int64 [S]); invisible keys score -inf, so they are among the
+    result only where fewer than ``topk`` keys are visible. Sort keys order by score, then earlier position.
+    """
+    best = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
+    for start in range(0, keys.shape[0], key_block):
         block = keys[start : start + key_block]
-        scores = q.new_zeros(seg, block.shape[0])
+        scores = q.new_zeros(q.shape[0], block.shape[0])
         for h in range(q.shape[1]):  # sum over heads without a [S, H, block] temporary
             scores += weights[:, h, None] * F.relu(q[:, h] @ block.T * scale)
-        key_pos = torch.arange(start, start + block.shape[0], device=q.device)
-        scores.masked_fill_(key_pos > query_pos, float("-inf"))
-        candidates = torch.cat([best, _sort_keys(scores, key_pos)], dim=-1)
+        if key_pos is None:
+            block_pos = torch.arange(start, start + block.shape[0], device=q.device)
+        else:
+            block_pos = key_pos[start : start + key_block]
+        scores.masked_fill_(block_pos > last_visible[:, None], float("-inf"))
+        candidates = torch.cat([best, _sort_keys(scores, block_pos)], dim=-1)
         best = candidates.topk(topk, dim=-1, sorted=False).values if candidates.shape[-1] > topk else candidates
-    chosen = _LOW - 1 - (best & (_LOW - 1))
-    return torch.zeros(seg, total, dtype=torch.bool, device=q.device).scatter_(-1, chosen, True).tril_(prefix)
+    return best
+
+
+def sort_key_position(sort_keys: torch.Tensor) -> torch.Tensor:
+    """Key positions (int64, same shape) of ``top_sort_keys``' sort keys."""
+    return _LOW - 1 - (sort_keys & (_LOW - 1))
 
 
 def _sort_keys(scores: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
