@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 import torch
 
 from verl_longstraw import group_backward
+from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.testing import make_group
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
@@ -113,18 +113,14 @@ def gradient_errors(family: str, prompt_len: int, group_size: int, response_len:
     return {path: float((grads[path] - ref).norm() / ref.norm()) for path in grads if path != "standard"}
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
-
-
-def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, command: str) -> None:
+def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, command: str, info: dict) -> None:
+    """``{name}.json``, ``.md`` and ``.png`` under ``out_dir``; ``info`` is ``machine()`` from the start of the run."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(dict(command=command, machine=machine(), rows=rows, gradient_errors=errors), f, indent=1)
+        json.dump(dict(command=command, machine=info, rows=rows, gradient_errors=errors), f, indent=1)
     index = {(r["family"], r["P"], r["G"], r["path"]): r for r in rows}
     lines = [
-        "# Core benchmark (CPU)", "", f"Command: `{command}`", "", f"Machine: {machine()}", "",
+        "# Core benchmark (CPU)", "", f"Command: `{command}`", "", f"Machine: {describe(info)}", "",
         "Peak saved-for-backward MB (ratio to standard), CPU seconds (ratio), peak RSS growth MB. T = "
         f"{rows[0]['T']}; chunked exact uses {CHUNKS} chunks. standard_bound rows are computed lower "
         "bounds of standard (attention probabilities only), used where standard does not fit in memory; "
@@ -207,6 +203,7 @@ def main() -> None:
         print(json.dumps(measure_one(**json.loads(args.one))))
         return
     command = "python benchmarks/bench_core.py " + " ".join(sys.argv[1:])
+    info = machine()
     families = list(ALL_FAMILIES) if args.families == ["all"] else args.families
     paths = args.paths
     rows, errors = [], {}
@@ -234,7 +231,7 @@ def main() -> None:
             family, args.error_prompt_len, max(args.group_sizes), args.response_len, paths
         )
         print(f"{family:12s} gradient errors vs standard ({setting}): {errors[f'{family} {setting}']}", flush=True)
-    write_reports(rows, errors, args.out, args.name, command)
+    write_reports(rows, errors, args.out, args.name, command, info)
     print(f"wrote {args.out}/{args.name}.json, .md, .png")
 
 

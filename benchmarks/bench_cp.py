@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -33,10 +31,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import transformers
 
 import verl_longstraw.api as api
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
@@ -221,29 +219,19 @@ def run_case(family: str, world: int, prompt_len: int, group_sizes: list[int], r
     return rows
 
 
-def machine() -> dict[str, str]:
-    """CPU model (lscpu), cores, and the versions that matter for the figures."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    return dict(cpu=cpu, cores=str(os.cpu_count()), torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version())
-
-
 def ratio(value: float, reference: float | None) -> str:
     """``value / reference`` for a table, "-" without a reference."""
     return f"{value / reference:.3f}" if reference else "-"
 
 
-def write_reports(rows: list[dict], out_dir: str, command: str, load: str) -> None:
-    """``cp.json``, ``cp.md`` and ``cp.png`` under ``out_dir``."""
+def write_reports(rows: list[dict], out_dir: str, command: str, info: dict) -> None:
+    """``cp.json``, ``cp.md`` and ``cp.png`` under ``out_dir``; ``info`` is ``machine()`` from the start of the run."""
     os.makedirs(out_dir, exist_ok=True)
-    info = machine()
     with open(os.path.join(out_dir, "cp.json"), "w") as f:
-        json.dump(dict(command=command, machine=info, load_average=load, rows=rows), f, indent=1)
+        json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
     lines = [
         "# Context-parallel benchmark (CPU, gloo)", "", f"Command: `{command}`", "",
-        f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, transformers {info['transformers']}, "
-        f"Python {info['python']}. Load average at the start: {load}. The machine was shared with other jobs: "
+        f"Machine at the start: {describe(info)}. The machine was shared with other jobs: "
         "seconds are contended and only roughly comparable; bytes are exact.", "",
         f"Chunked exact, chunk {rows[0]['chunk_size']} prompt tokens (global, split over the R ranks), responses of "
         f"T = {rows[0]['T']} tokens, float32, one thread per rank. Per-rank figures are the largest over the ranks; "
@@ -361,7 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for key, value in QUICK.items():
             setattr(args, key, value)
     command = "python benchmarks/bench_cp.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    info = machine()
     rows = []
     for family in args.families:
         for p in args.prompt_lens:
@@ -370,7 +358,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for r in rows[-len(args.group_sizes):]:
                     print(f"{family:12s} P={p:6d} R={world} G={r['G']} saved {r['saved_peak_bytes'] / MB:8.2f} MB  "
                           f"state {r['state_bytes'] / MB:7.2f} MB  seconds {r['seconds']}", flush=True)
-    write_reports(rows, args.out, command, load)
+    write_reports(rows, args.out, command, info)
     print(f"wrote {args.out}/cp.json, cp.md, cp.png")
     return rows
 

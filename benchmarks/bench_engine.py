@@ -38,6 +38,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from verl_longstraw.integration import testing  # noqa: E402
+from verl_longstraw.machine import describe, machine  # noqa: E402
 
 ENGINES = ("fsdp2", "longstraw")
 MODELS: dict[str, dict[str, Any]] = {
@@ -143,22 +144,13 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def machine() -> dict:
-    cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1)
-    return dict(cpu=cpu, usable_cores=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads(),
-                load_avg_at_start=os.getloadavg(), torch=torch.__version__)
-
-
 def markdown(result: dict) -> str:
-    m = result["machine"]
-    load = tuple(round(x, 1) for x in m["load_avg_at_start"])
     cases = len(result["models"]) * len(result["P"]) * len(result["G"])
     lines = [
         "# longstraw vs fsdp2 engine (veRL 0.9.1, CPU, fp32)",
         "",
         f"Command: `{result['command']}`  ",
-        f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, torch {m['torch']} "
-        f"({m['torch_threads']} threads); load average at start {load}  ",
+        f"Machine: {describe(result['machine'])}; torch threads {result['torch_threads']}  ",
         f"Runtime: {result['runtime_s']:.0f} s for {len(result['ratios']) // 2} of {cases} (model, P, G) cases. "
         f"Models: {', '.join(result['models'])}; T={result['T']}, one group per batch, one micro-batch of G rows, "
         "gradient checkpointing on.",
@@ -229,8 +221,8 @@ def main() -> None:
     parser.add_argument("--tag", default="results", help="files are written as engine_<tag>.json/md/png")
     args = parser.parse_args()
     command = " ".join(["python", "benchmarks/bench_engine.py", *map(shlex.quote, sys.argv[1:])])
-    result = dict(command=command, machine=machine(), models=args.models, P=args.prompt, G=args.groups,
-                  T=args.response, rows=[])
+    result = dict(command=command, machine=machine(), torch_threads=torch.get_num_threads(), models=args.models,
+                  P=args.prompt, G=args.groups, T=args.response, rows=[])
     testing.init_dist()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

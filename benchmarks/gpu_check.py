@@ -29,6 +29,7 @@ import transformers
 
 from verl_longstraw import group_backward
 from verl_longstraw.estimate import estimate_memory
+from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.testing import make_group, no_worse_than_standard, replay_errors, standard_grads, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model, use_reference_kernels
@@ -163,6 +164,7 @@ def scale(device: torch.device, tiny: bool, deadline: float) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["# GPU check", "", f"device: {result['device']}, total {result['seconds']:.0f} s", "",
+             f"Machine: {describe(result['machine'])}", "",
              "## Equivalence vs the float32 standard path", "",
              "| family | dtype | max abs log-prob error (standard path's) | gradient rel L2 (standard's) | passed |",
              "|---|---|---|---|---|"]
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scale-seconds", type=float, default=330.0)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    info = machine()
     started = time.monotonic()
     families = ("qwen3", "qwen3_5", "deepseek_v3") if args.tiny else FAMILIES
     equiv = equivalence(device, families, 64 if args.tiny else 301, started + args.equivalence_seconds)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["fits"]:
             longest[key] = max(longest[key], r["P"])
     result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "machine": info,
         "memory_metric": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "bytes saved for backward",
         "equivalence": equiv, "scale": rows, "longest_fitting_P": longest, "seconds": time.monotonic() - started,
     }

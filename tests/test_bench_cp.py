@@ -24,6 +24,6 @@ def test_bench_cp_quick(tmp_path):
         assert measured == row["formula_bytes"], row["R"]
         assert all(seconds > 0 for seconds in row["seconds"].values())
     assert any(row["collectives"]["prompt_backward"] for row in rows)  # R = 2 communicates in every phase
-    assert report["machine"]["cpu"] and report["machine"]["transformers"]
+    assert report["machine"]["cpu"] and report["machine"]["versions"]["transformers"]
     assert (tmp_path / "cp.md").read_text().startswith("# Context-parallel benchmark")
     assert (tmp_path / "cp.png").stat().st_size > 0
