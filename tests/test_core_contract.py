@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
-from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.replay import capture
 from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
 from verl_longstraw.tiny import DENSE_VARIANTS, VOCAB, tiny_model
 
@@ -33,7 +31,8 @@ def test_dense_variants_match_standard(family):
     prompt, responses = make_group(VOCAB, 150, (12, 5))
     lp = group_log_probs(model, prompt, responses, chunk_size=64)
     with torch.no_grad():
-        assert max((a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses)) < 1e-5
+        errors = [(a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses, strict=True)]
+    assert max(errors) < 1e-5
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, chunk_size=64)
@@ -62,7 +61,7 @@ def test_mla_state_is_latent_only(family):
     model = tiny_model(family)
     config = model.config
     prompt_len = 50
-    state = capture(adapter_for(model), torch.randint(0, VOCAB, (prompt_len,)), chunk_size=16, keep_boundaries=False)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (prompt_len + 1,)), chunk_size=16, for_backward=False)
     elements = sum(t.numel() for t in state.tensors())
     latent = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * prompt_len
     indexer = config.index_head_dim * config.num_hidden_layers * prompt_len if family == "glm_moe_dsa" else 0
@@ -71,9 +70,9 @@ def test_mla_state_is_latent_only(family):
 
 def test_hybrid_state_is_fixed_size_for_linear_layers():
     model = tiny_model("qwen3_next")
-    adapter = adapter_for(model)
     sizes = [
-        [t.numel() for t in capture(adapter, torch.randint(0, VOCAB, (n,)), None, False).layers[0]] for n in (10, 90)
+        [t.numel() for t in capture_prompt(model, torch.randint(0, VOCAB, (n,)), for_backward=False).layers[0]]
+        for n in (10, 90)
     ]
     assert sizes[0] == sizes[1]  # layer 0 is linear attention: conv + recurrent state, independent of length
 
@@ -145,7 +144,9 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("override, message", BAD_INPUTS)
 def test_bad_input_raises_clear_error(qwen3, override, message):
-    args = dict(prompt_ids=torch.tensor([1, 2, 3]), responses=[torch.tensor([4, 5])], prompt_grad="exact", chunk_size=None)
+    args = dict(
+        prompt_ids=torch.tensor([1, 2, 3]), responses=[torch.tensor([4, 5])], prompt_grad="exact", chunk_size=None
+    )
     args.update(override)
     with pytest.raises(ValueError, match=message):
         group_backward(qwen3, args["prompt_ids"], args["responses"], _loss, args["prompt_grad"], args["chunk_size"])
@@ -189,14 +190,14 @@ def test_shared_capture_equals_fresh_capture(family, prompt_grad, chunk_size):
     lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size, state=state)
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size, state=state)
-    assert all(torch.equal(a, b) for a, b in zip(lp, expected_lp))
+    assert all(torch.equal(a, b) for a, b in zip(lp, expected_lp, strict=True))
     assert relative_error(grads_of(model), expected) == 0.0
 
 
 def test_shared_capture_mismatch_is_refused(qwen3):
     prompt, responses = make_group(VOCAB, 60, (5,))
     state = capture_prompt(qwen3, prompt, chunk_size=16, for_backward=False)
-    with pytest.raises(ValueError, match="this prompt needs 58"):
+    with pytest.raises(ValueError, match="this rank needs 58"):
         group_log_probs(qwen3, prompt[:-1], responses, chunk_size=16, state=state)
     with pytest.raises(ValueError, match="captured with chunk_size=16, not 32"):
         group_log_probs(qwen3, prompt, responses, chunk_size=32, state=state)

@@ -1,25 +1,38 @@
-"""Public entry points: log-probs and gradients of one GRPO group (one prompt, G responses)."""
+"""Public entry points: log-probs and gradients of one GRPO group (one prompt, G responses).
+
+Every entry point takes ``cp_group``: a process group whose ranks all call it with the same
+arguments and run the group together (context parallel, ``verl_longstraw.parallel``): each rank
+holds about 1/R of the prompt state, replays one response per round, and ends with the
+log-probs and losses of every response. Parameter gradients are per-rank partial sums whose
+sum over the group is the single-process gradient. With ``cp_group=None`` (one process) the
+behaviour and results are the single-process ones.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .adapters import Adapter, adapter_for
+from .errors import UnsupportedModelError
 from .estimate import check_budget, estimate_memory
+from .parallel import comm
 from .replay import (
     GroupStats,
+    PromptChunk,
     accumulate_state_grads,
     as_leaves,
     backward_prompt,
     capture,
-    response_inputs,
+    gather_round,
+    prompt_chunks,
+    response_rounds,
     run_segment,
     score,
 )
-
 from .state import PromptState
 from .timing import Stopwatch
 
@@ -72,6 +85,56 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
+    """(length, position-weighted checksum) of token ids: cheap, order-sensitive, one host sync."""
+    weights = torch.arange(1, len(ids) + 1, device=ids.device, dtype=torch.int64) % 1_000_003
+    return len(ids), int((ids.long() * weights).sum())
+
+
+def _agree(cp_group: comm.Group, validate: Callable[[], Any], prompt_ids, responses, **settings) -> Any:
+    """``validate()``'s result once every rank of ``cp_group`` validated the same group.
+
+    Each rank validates its own arguments, then the ranks exchange (error, fingerprint of the
+    prompt, the responses and ``settings``) in one small collective, so bad input or ranks
+    that disagree raise the same ValueError on every rank instead of leaving some ranks
+    waiting in a collective.
+    """
+    if cp_group is None:
+        return validate()
+    result, error = None, None
+    try:
+        result = validate()
+    except (ValueError, UnsupportedModelError) as exc:
+        error = exc
+    mine = None
+    if error is None:
+        mine = {"prompt_ids": _fingerprint(prompt_ids), "responses": [_fingerprint(r) for r in responses], **settings}
+    gathered: list[Any] = [None] * comm.group_size(cp_group)
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(gathered, (message, mine), group=cp_group)
+    if error is not None:
+        raise error
+    for rank, (message, _) in enumerate(gathered):
+        if message is not None:
+            raise ValueError(f"rank {rank} of the context-parallel group rejected its arguments ({message})")
+    for field in mine:
+        values = [theirs[field] for _, theirs in gathered]
+        if any(v != values[0] for v in values):
+            raise ValueError(
+                f"the ranks of the context-parallel group passed different {field} ({field} per rank: "
+                f"{values if field != 'responses' else 'see fingerprints'}); every rank of cp_group must call with "
+                "the same prompt_ids, responses and settings"
+            )
+    return result
+
+
+def _plan(
+    prompt_ids: torch.Tensor, chunk_size: int | None, cp_group: comm.Group
+) -> tuple[list[PromptChunk], tuple[int, ...]]:
+    """This rank's capture chunks and every rank's state rows (ValueError for a prompt too short for the group)."""
+    return prompt_chunks(len(prompt_ids) - 1, chunk_size, cp_group)
+
+
 def _prompt_state(
     adapter: Adapter,
     prompt_ids: torch.Tensor,
@@ -79,13 +142,15 @@ def _prompt_state(
     keep_boundaries: bool,
     stats: GroupStats,
     state: PromptState | None,
+    chunks: list[PromptChunk],
+    rows: int,
 ) -> PromptState:
     """``state`` after checking it was captured from ``prompt_ids`` with this chunking, else a fresh
     capture of ``prompt_ids[:-1]`` bound to ``prompt_ids``."""
     if state is not None:
-        if state.length != len(prompt_ids) - 1 or state.filled != state.length:
-            raise ValueError(f"state holds {state.filled} of {state.length} tokens; this prompt needs "
-                             f"{len(prompt_ids) - 1} (pass the state captured from these prompt_ids)")
+        if state.length != rows:
+            raise ValueError(f"state holds {state.length} rows; this rank needs {rows} for these prompt_ids "
+                             "and cp_group (pass the state capture_prompt returned for them)")
         state.check_prompt(prompt_ids)
         if state.chunk_size != chunk_size:
             raise ValueError(f"state was captured with chunk_size={state.chunk_size}, not {chunk_size}")
@@ -93,7 +158,7 @@ def _prompt_state(
             raise ValueError("prompt_grad='exact' needs a state captured with for_backward=True")
         return state
     watch = Stopwatch(prompt_ids.device)
-    state = capture(adapter, prompt_ids[:-1], chunk_size, keep_boundaries)
+    state = capture(adapter, prompt_ids[:-1], chunks, rows, chunk_size, keep_boundaries)
     state.bind(prompt_ids)
     stats.capture_s += watch.seconds()
     stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
@@ -106,6 +171,7 @@ def capture_prompt(
     chunk_size: int | None = None,
     for_backward: bool = True,
     stats: GroupStats | None = None,
+    cp_group: comm.Group = None,
 ) -> PromptState:
     """Capture a prompt's state once (no autograd), to pass as ``state=`` to ``group_log_probs`` and
     then ``group_backward`` so a training step computes the prompt's forward once, not twice.
@@ -113,11 +179,17 @@ def capture_prompt(
     ``for_backward`` keeps the chunk-boundary states the exact backward restarts from. The
     state holds per layer what ``adapter.state_specs`` says (e.g. K/V [1, Hk, P-1, D]).
     """
-    adapter = _validate_prompt(model, prompt_ids, chunk_size)
-    adapter.check_length(len(prompt_ids))
+
+    def validate():
+        adapter = _validate_prompt(model, prompt_ids, chunk_size)
+        adapter.check_length(len(prompt_ids))
+        return adapter, _plan(prompt_ids, chunk_size, cp_group)
+
+    adapter, (chunks, rows) = _agree(cp_group, validate, prompt_ids, [], chunk_size=chunk_size)
+    stats = stats if stats is not None else GroupStats()
     with torch.no_grad():
-        return _prompt_state(adapter, prompt_ids.to(_device(model)), chunk_size, for_backward,
-                             stats if stats is not None else GroupStats(), None)
+        return _prompt_state(adapter, prompt_ids.to(_device(model)), chunk_size, for_backward, stats, None,
+                             chunks, rows[comm.group_rank(cp_group)])
 
 
 def group_log_probs(
@@ -129,6 +201,7 @@ def group_log_probs(
     return_entropy: bool = False,
     stats: GroupStats | None = None,
     state: PromptState | None = None,
+    cp_group: comm.Group = None,
 ):
     """Per-token log-probs of each response given the prompt, computing the prompt once.
 
@@ -136,23 +209,31 @@ def group_log_probs(
     and with ``return_entropy`` also the entropies [T_i] of the same positions. ``state``
     (from ``capture_prompt``) skips the capture.
     """
-    adapter = validate_group(model, prompt_ids, responses, chunk_size)
+    def validate():
+        return validate_group(model, prompt_ids, responses, chunk_size), _plan(prompt_ids, chunk_size, cp_group)
+
+    adapter, (chunks, rows) = _agree(
+        cp_group, validate, prompt_ids, responses,
+        chunk_size=chunk_size, temperature=temperature, entropy=return_entropy,
+    )
     device = _device(model)
     prompt_ids = prompt_ids.to(device)
     stats = stats if stats is not None else GroupStats()
-    log_probs, entropies = [], []
+    log_probs, entropies = {}, {}
     with torch.no_grad():
-        past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state).current()
+        rank_rows = rows[comm.group_rank(cp_group)]
+        past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state, chunks, rank_rows).current()
         watch = Stopwatch(device)
-        for response in responses:
-            response = response.to(device)
-            logits = run_segment(adapter, response_inputs(prompt_ids, response), len(prompt_ids) - 1, past, True)
-            lp, ent = score(logits, response, temperature, return_entropy)
-            log_probs.append(lp)
-            entropies.append(ent)
-            stats.response_tokens += len(response)
+        for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group):
+            logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, past, True, step.sharding)
+            lp, ent = score(logits, step.targets, temperature, return_entropy)
+            log_probs.update(gather_round(lp, step, cp_group))
+            if return_entropy:
+                entropies.update(gather_round(ent, step, cp_group))
+            stats.response_tokens += len(step.targets) if step.response is not None else 0
         stats.replay_s += watch.seconds()
-    return (log_probs, entropies) if return_entropy else log_probs
+    log_probs = [log_probs[i] for i in range(len(responses))]
+    return (log_probs, [entropies[i] for i in range(len(responses))]) if return_entropy else log_probs
 
 
 def group_backward(
@@ -167,6 +248,8 @@ def group_backward(
     stats: GroupStats | None = None,
     memory_budget_bytes: int | None = None,
     state: PromptState | None = None,
+    cp_group: comm.Group = None,
+    state_grad_on_host: bool = False,
 ) -> torch.Tensor:
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
@@ -177,43 +260,67 @@ def group_backward(
     estimate (``verl_longstraw.estimate``: prompt state + state gradients + peak saved for
     backward) against it and raise MemoryError naming the fix before computing anything.
     ``state`` (from ``capture_prompt`` with the same ``chunk_size``) skips the capture.
-    Returns the losses [G], detached.
+    ``state_grad_on_host`` keeps the float32 state-gradient sums (exact mode) in host memory
+    (pinned where CUDA is available), moved per layer tensor, for prompts whose state gradient
+    does not fit beside the model. Returns the losses [G], detached.
     """
-    if prompt_grad not in PROMPT_GRAD_MODES:
-        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
-    adapter = validate_group(model, prompt_ids, responses, chunk_size)
-    if memory_budget_bytes is not None:
-        dtype = next(model.parameters()).dtype
-        longest = max(len(r) for r in responses)
-        estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size, prompt_grad,
-                                   dtype, specs=adapter.specs())
-        check_budget(estimate, memory_budget_bytes, chunk_size)
+
+    def validate():
+        if prompt_grad not in PROMPT_GRAD_MODES:
+            raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
+        adapter = validate_group(model, prompt_ids, responses, chunk_size)
+        if memory_budget_bytes is not None:
+            dtype = next(model.parameters()).dtype
+            longest = max(len(r) for r in responses)
+            # rank 0's figures (the most rows) from replicated arguments: every rank reaches the same verdict
+            estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size,
+                                       prompt_grad, dtype, specs=adapter.specs(), cp_size=comm.group_size(cp_group),
+                                       state_grad_on_host=state_grad_on_host)
+            check_budget(estimate, memory_budget_bytes)
+        return adapter, _plan(prompt_ids, chunk_size, cp_group)
+
+    adapter, (chunks, rows) = _agree(
+        cp_group, validate, prompt_ids, responses,
+        chunk_size=chunk_size, temperature=temperature, entropy=with_entropy, prompt_grad=prompt_grad,
+    )
     device = _device(model)
     prompt_ids = prompt_ids.to(device)
     exact = prompt_grad == "exact"
     stats = stats if stats is not None else GroupStats()
 
-    state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state)
+    state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state, chunks, rows[comm.group_rank(cp_group)])
     leaves = as_leaves(state, requires_grad=exact)
 
     watch = Stopwatch(device)
-    losses, state_grads = [], None
-    for i, response in enumerate(responses):
-        response = response.to(device)
-        logits = run_segment(adapter, response_inputs(prompt_ids, response), len(prompt_ids) - 1, leaves, True)
-        lp, ent = score(logits, response, temperature, with_entropy)
-        loss = loss_fn(i, lp, ent) if with_entropy else loss_fn(i, lp)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} for response {i}")
+    losses, state_grads = {}, None
+    for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group):
+        logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, True, step.sharding)
+        lp, ent = score(logits, step.targets, temperature, with_entropy)
+        loss = _response_loss(loss_fn, step.response, lp, ent, with_entropy)
+        valid = isinstance(loss, torch.Tensor) and loss.dim() == 0
+        # losses and validity of every rank's response before any rank starts a backward (with its collectives)
+        payload = torch.stack([loss.detach().to(lp.dtype), lp.new_ones(())]) if valid else lp.new_zeros(2)
+        shared = gather_round(payload, step, cp_group, sizes=(2,) * len(step.target_sizes))
+        for i, (value, ok) in shared.items():
+            if not ok:
+                raise ValueError(f"loss_fn must return a scalar tensor; it did not for response {i}")
+            losses[i] = value
         loss.backward()
         if exact and leaves is not None:
-            state_grads = accumulate_state_grads(leaves, state_grads)
-        losses.append(loss.detach())
-        stats.response_tokens += len(response)
+            state_grads = accumulate_state_grads(leaves, state_grads, state_grad_on_host)
+        stats.response_tokens += len(step.targets) if step.response is not None else 0
     stats.replay_s += watch.seconds()
 
     if exact and leaves is not None:
         watch = Stopwatch(device)
-        backward_prompt(adapter, prompt_ids[:-1], chunk_size, state, state_grads)
+        backward_prompt(adapter, prompt_ids[:-1], chunks, state, state_grads, state_grad_on_host)
         stats.prompt_backward_s += watch.seconds()
-    return torch.stack(losses)
+    return torch.stack([losses[i] for i in range(len(responses))])
+
+
+def _response_loss(loss_fn: LossFn, index: int | None, lp: torch.Tensor, ent: torch.Tensor | None, with_entropy: bool):
+    """``loss_fn``'s loss for response ``index``; for a CP dummy (None) a zero loss over the same graph,
+    so its backward makes the same calls as a real one."""
+    if index is None:
+        return lp.sum() * 0 + (ent.sum() * 0 if with_entropy else 0)
+    return loss_fn(index, lp, ent) if with_entropy else loss_fn(index, lp)

@@ -10,17 +10,28 @@ Phases for one GRPO group (prompt ``p`` of P tokens, responses ``r_i``):
    state, and backpropagate those gradients (plus the gradient the later chunks sent back
    into this chunk's rows) into the parameters.
 Each phase runs as one call of the model module and each layer as a call of that layer,
-so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward.
+so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward. A layer's only
+positional argument is the hidden state: the prompt state reaches it through a closure, so
+FSDP2's ``cast_forward_inputs`` (bf16 mixed precision) never rounds the float32 recurrent state.
+
+Context parallel (a process group of R ranks, ``verl_longstraw.parallel``): every rank runs the
+same phases with the same calls, on its sub-slice of every chunk (``PromptChunk.sharding``) and
+on its response of every replay round (``response_rounds``); the adapters' mixers then attend
+and hand state across the ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .adapters import Adapter
 from .adapters.base import call_as
+from .parallel import comm
+from .parallel.layout import PromptLayout, ReplayRounds
+from .parallel.segment import SegmentSharding
 from .state import LayerState, PromptState, StateSpec
 
 
@@ -43,8 +54,100 @@ def chunk_bounds(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + size, length)) for s in range(0, length, size)]
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """One capture (and recompute) step of this rank: prompt tokens [start, end), written to the
+    local state rows from ``row_start``; ``sharding`` says how the chunk is split over a CP group."""
+
+    start: int
+    end: int
+    row_start: int
+    sharding: SegmentSharding | None = None
+
+
+def prompt_chunks(
+    length: int, chunk_size: int | None, group: comm.Group = None, delta_rule_mode: str = "affine"
+) -> tuple[list[PromptChunk], tuple[int, ...]]:
+    """This rank's capture steps over ``length`` prompt tokens, and the rows of state every rank will hold.
+
+    One process: the chunks of ``chunk_bounds``. A CP group: every global chunk of
+    ``PromptLayout``, this rank's sub-slice of it.
+    """
+    if group is None:
+        return [PromptChunk(s, e, s) for s, e in chunk_bounds(length, chunk_size)], (length,)
+    layout = PromptLayout(length, chunk_size, comm.group_size(group))
+    rank = comm.group_rank(group)
+    chunks = []
+    for k, (row_start, _) in enumerate(layout.local_chunk_bounds(rank)):
+        sizes = tuple(layout.slice_sizes(k))
+        prefix = tuple(layout.rows_before(k, r) for r in range(layout.world))
+        sharding = SegmentSharding(group, sizes, prefix, consecutive=True, delta_rule_mode=delta_rule_mode,
+                                   prefix_spans=tuple((c.start, c.end) for c in chunks))
+        chunks.append(PromptChunk(*layout.slices(k)[rank], row_start, sharding))
+    return chunks, tuple(layout.local_length(r) for r in range(layout.world))
+
+
+def response_inputs(prompt_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """Tokens replayed for a response: the last prompt token, then all but the last response token."""
+    return torch.cat([prompt_ids[-1:], response[:-1]])
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """What this rank replays in one round: ``response`` index (None: a one-token dummy that keeps the
+    ranks' calls matched), input tokens and target tokens, and the round's ``sharding``."""
+
+    response: int | None
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    sharding: SegmentSharding | None
+    target_sizes: tuple[int, ...]  # every rank's target count this round (for gathering results)
+    responses: tuple[int | None, ...]  # every rank's response index this round
+
+
+def response_rounds(
+    prompt_ids: torch.Tensor,
+    responses: list[torch.Tensor],
+    chunks: list[PromptChunk],
+    state_rows: tuple[int, ...],
+    group: comm.Group = None,
+) -> Iterator[ReplayStep]:
+    """This rank's replay steps: every response in turn in one process; one response per rank per round
+    under CP (``ReplayRounds``), each rank against its ``state_rows[rank]`` prompt-state rows (this rank's
+    rows: those of its capture ``chunks``)."""
+    spans = tuple((c.start, c.end) for c in chunks)
+    world = comm.group_size(group)
+    rounds = ReplayRounds(len(responses), world)
+    dummy = prompt_ids[-1:]
+    for round_index in range(rounds.num_rounds):
+        indices = tuple(rounds.response(round_index, r) for r in range(world))
+        targets = [responses[i] if i is not None else dummy for i in indices]
+        sizes = tuple(len(t) for t in targets)
+        sharding = None if group is None else SegmentSharding(group, sizes, state_rows, False, prefix_spans=spans)
+        mine = targets[comm.group_rank(group)]
+        own = indices[comm.group_rank(group)]
+        inputs = response_inputs(prompt_ids, mine) if own is not None else dummy
+        yield ReplayStep(own, inputs, mine, sharding, sizes, indices)
+
+
+def gather_round(
+    values: torch.Tensor, step: ReplayStep, group: comm.Group, sizes: tuple[int, ...] | None = None
+) -> dict[int, torch.Tensor]:
+    """Every rank's ``values`` of one round (per token [T_r] unless ``sizes`` says otherwise), by response
+    index (dummies dropped); no autograd."""
+    if group is None:
+        return {step.response: values}
+    parts = comm.all_gather(values.detach().contiguous(), group, sizes or step.target_sizes)
+    return {i: part for i, part in zip(step.responses, parts, strict=True) if i is not None}
+
+
 def run_segment(
-    adapter: Adapter, ids: torch.Tensor, start: int, past: list[LayerState] | None, with_logits: bool
+    adapter: Adapter,
+    ids: torch.Tensor,
+    start: int,
+    past: list[LayerState] | None,
+    with_logits: bool,
+    sharding: SegmentSharding | None = None,
 ) -> torch.Tensor | list[LayerState]:
     """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before).
 
@@ -54,16 +157,16 @@ def run_segment(
 
     def forward() -> torch.Tensor | tuple[torch.Tensor, ...]:
         h = adapter.embed(ids)
-        ctx = adapter.context(h, start)
+        ctx = adapter.context(h, start, sharding)
         layer_past = past or [adapter.empty_state(i, h) for i in range(adapter.num_layers)]
         states = []
         for idx, layer in enumerate(adapter.layers):
             need_output = with_logits or idx < adapter.num_layers - 1
 
-            def layer_forward(h, *state, idx=idx, need_output=need_output):
-                return adapter.layer(idx, h, ctx, state, need_output)
+            def layer_forward(h, idx=idx, need_output=need_output):
+                return adapter.layer(idx, h, ctx, layer_past[idx], need_output)
 
-            out = call_as(layer, layer_forward, h, *layer_past[idx])
+            out = call_as(layer, layer_forward, h)
             if need_output:
                 h, out = out[0], out[1:]
             states.append(tuple(out))
@@ -78,20 +181,28 @@ def run_segment(
     return [tuple(next(flat) for _ in spec) for spec in adapter.specs()]
 
 
-def capture(adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, keep_boundaries: bool) -> PromptState:
-    """State of the prompt tokens ``ids`` [P'], computed chunk by chunk without autograd."""
-    state = PromptState(adapter.specs(), len(ids), keep_boundaries, chunk_size)
+def capture(
+    adapter: Adapter,
+    ids: torch.Tensor,
+    chunks: list[PromptChunk],
+    rows: int,
+    chunk_size: int | None,
+    keep_boundaries: bool,
+) -> PromptState:
+    """This rank's state of the prompt tokens ``ids`` [P'] (``rows`` rows), chunk by chunk without autograd."""
+    state = PromptState(adapter.specs(), rows, keep_boundaries, chunk_size)
     with torch.no_grad():
-        for s, e in chunk_bounds(len(ids), chunk_size):
-            state.append(run_segment(adapter, ids[s:e], s, state.current(), with_logits=False), e - s)
+        for c in chunks:
+            segment = run_segment(adapter, ids[c.start : c.end], c.start, state.current(), False, c.sharding)
+            state.append(segment, c.end - c.start)
     return state
 
 
 def _leaves(specs: list[tuple[StateSpec, ...]], layers: list[LayerState], requires_grad: bool) -> list[LayerState]:
     """Detached copies of per-layer state tensors; differentiable ones get ``requires_grad``."""
     return [
-        tuple(t.detach().requires_grad_(requires_grad and s.differentiable) for s, t in zip(spec, layer))
-        for spec, layer in zip(specs, layers)
+        tuple(t.detach().requires_grad_(requires_grad and s.differentiable) for s, t in zip(spec, layer, strict=True))
+        for spec, layer in zip(specs, layers, strict=True)
     ]
 
 
@@ -104,74 +215,91 @@ def as_leaves(state: PromptState, requires_grad: bool) -> list[LayerState] | Non
 StateGrads = list[list[torch.Tensor | None]]
 
 
-def accumulate_state_grads(leaves: list[LayerState], grads: StateGrads | None) -> StateGrads:
+def _grad_sum_buffer(shape: tuple[int, ...], like: torch.Tensor, on_host: bool) -> torch.Tensor:
+    """Zeros for a float32 (float64 for float64 state) gradient sum shaped ``shape``: on ``like``'s device, or in
+    host memory (pinned where an accelerator can copy from it asynchronously)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    if not on_host:
+        return like.new_zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+def accumulate_state_grads(leaves: list[LayerState], grads: StateGrads | None, on_host: bool = False) -> StateGrads:
     """Add each state leaf's ``.grad`` into ``grads`` (float32, or float64 for float64 state) and clear it.
 
     Called after every response's backward, so the sum over the G responses accumulates in
-    float32 even for a bfloat16 state; ``grads`` None starts the sums. Returns the sums, one
-    entry per state tensor (None while no gradient reached it).
+    float32 even for a bfloat16 state; ``grads`` None starts the sums. With ``on_host`` the sums
+    live in host memory, each leaf's gradient moved there as it arrives, one layer's tensor at a
+    time. Returns the sums, one entry per state tensor
+    (None while no gradient reached it).
     """
     grads = grads if grads is not None else [[None] * len(layer) for layer in leaves]
-    for layer, sums in zip(leaves, grads):
+    for layer, sums in zip(leaves, grads, strict=True):
         for j, leaf in enumerate(layer):
             if leaf.grad is None:
                 continue
             if sums[j] is None:
-                sums[j] = leaf.grad.to(torch.promote_types(leaf.dtype, torch.float32), copy=True)
-            else:
-                sums[j] += leaf.grad
+                sums[j] = _grad_sum_buffer(tuple(leaf.shape), leaf, on_host)
+            sums[j] += leaf.grad.to(sums[j].device)
             leaf.grad = None
     return grads
 
 
 def backward_prompt(
-    adapter: Adapter, ids: torch.Tensor, chunk_size: int | None, state: PromptState, grads: StateGrads
+    adapter: Adapter,
+    ids: torch.Tensor,
+    chunks: list[PromptChunk],
+    state: PromptState,
+    grads: StateGrads,
+    on_host: bool = False,
 ) -> None:
-    """Backpropagate the state gradients ``grads`` (``accumulate_state_grads``) through the prompt ``ids``, in reverse chunks.
+    """Backpropagate the state gradients ``grads`` (``accumulate_state_grads``) through the prompt ``ids``, chunks
+    in reverse.
 
     Chunk k is recomputed from its boundary state (as leaves). Its outputs receive the
     gradient of its own rows plus, for fixed-size state, the gradient at its end (cast to
     the output's dtype); the gradient it sends into earlier rows is added to those rows'
     float32 sums, and the gradient of its starting fixed-size state becomes the end
-    gradient of chunk k-1.
+    gradient of chunk k-1. Sums may live in host memory (``accumulate_state_grads(on_host=True)``):
+    each chunk's slice moves to the device, and earlier rows' gradients move back, one tensor at a
+    time; ``on_host`` places sums first created here.
     """
-    bounds = chunk_bounds(len(ids), chunk_size)
-    for index in reversed(range(len(bounds))):
-        start, end = bounds[index]
+    for index in reversed(range(len(chunks))):
+        c = chunks[index]
+        start, end = c.row_start, c.row_start + c.end - c.start  # this rank's rows of the chunk
         past = state.at_boundary(index, start)
         past_leaves = None if past is None else _leaves(state.specs, past, requires_grad=True)
         with torch.enable_grad():
-            segment = run_segment(adapter, ids[start:end], start, past_leaves, with_logits=False)
+            segment = run_segment(adapter, ids[c.start : c.end], c.start, past_leaves, False, c.sharding)
         outputs, output_grads = [], []
-        for spec, seg_layer, grad_layer in zip(state.specs, segment, grads):
-            for s, out, grad in zip(spec, seg_layer, grad_layer):
-                if grad is not None and out.requires_grad:
-                    outputs.append(out)
-                    output_grads.append((grad[..., start:end, :] if s.growing else grad).to(out.dtype))
+        for spec, seg_layer, grad_layer in zip(state.specs, segment, grads, strict=True):
+            for s, out, grad in zip(spec, seg_layer, grad_layer, strict=True):
+                if not out.requires_grad:
+                    continue
+                outputs.append(out)  # with a zero gradient if none reached it: every rank runs the same graph
+                if grad is None:
+                    output_grads.append(torch.zeros_like(out))
+                else:
+                    output_grads.append((grad[..., start:end, :] if s.growing else grad).to(out.device, out.dtype))
         if outputs:
             torch.autograd.backward(outputs, output_grads)
         if past_leaves is None:
             continue
-        for spec, leaf_layer, grad_layer in zip(state.specs, past_leaves, grads):
-            for j, (s, leaf) in enumerate(zip(spec, leaf_layer)):
+        for spec, leaf_layer, grad_layer in zip(state.specs, past_leaves, grads, strict=True):
+            for j, (s, leaf) in enumerate(zip(spec, leaf_layer, strict=True)):
                 if not s.growing:
                     grad_layer[j] = leaf.grad
                 elif leaf.grad is not None:
                     if grad_layer[j] is None:
                         shape = (*leaf.shape[:-2], state.length, leaf.shape[-1])
-                        grad_layer[j] = leaf.new_zeros(shape, dtype=torch.promote_types(leaf.dtype, torch.float32))
-                    grad_layer[j][..., :start, :] += leaf.grad
-
-
-def response_inputs(prompt_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """Tokens replayed for a response: the last prompt token, then all but the last response token."""
-    return torch.cat([prompt_ids[-1:], response[:-1]])
+                        grad_layer[j] = _grad_sum_buffer(shape, leaf, on_host)
+                    grad_layer[j][..., :start, :] += leaf.grad.to(grad_layer[j].device)
 
 
 def score(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] (float32) of ``targets`` under ``logits`` [T, vocab] / temperature, and optionally the entropy [T]."""
+    """Log-probs [T] (float32) of ``targets`` under ``logits`` [T, vocab] / temperature; optionally the entropy [T]."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_log_probs = log_probs.gather(-1, targets[:, None])[:, 0]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None

@@ -18,18 +18,64 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..ops.attention import prefix_causal_attention
+from ..ops.gated_delta_rule import gated_delta_rule
+from ..parallel.attention import sharded_prefix_attention
+from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
+from ..parallel.segment import SegmentSharding
 from ..state import LayerState, StateSpec
 
 
 @dataclass
 class SegmentContext:
-    """What every layer of one segment shares: positions, rotary tables, scratch for the adapter."""
+    """What every layer of one segment shares: positions, rotary tables, how the segment is split
+    over a context-parallel group (``sharding``; None: one process), scratch for the adapter.
+
+    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule`` and
+    ``conv_input`` so one code path serves one process and a CP group.
+    """
 
     start: int  # position of the segment's first token
     length: int  # tokens in the segment
     cos: torch.Tensor  # [length, rotary_dim]
     sin: torch.Tensor
+    sharding: SegmentSharding | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether this rank's tokens continue another rank's (a capture or recompute chunk under CP)."""
+        return self.sharding is not None and self.sharding.consecutive
+
+    def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
+        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group."""
+        if self.sharding is None:
+            return prefix_causal_attention(
+                q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
+            )
+        s = self.sharding
+        return sharded_prefix_attention(
+            q, k_prefix, v_prefix, k_self, v_self, scale,
+            s.group, s.query_sizes, s.prefix_sizes, s.consecutive, key_mask,
+        )
+
+    def delta_rule(self, q, k, v, g, beta, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gated_delta_rule`` (shapes there, q/k L2-normalised) continuing ``initial_state``; under CP with a split
+        sequence the state flows through the ranks and the returned final state is every rank's."""
+        if not self.splits_sequence:
+            return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True)
+        s = self.sharding
+        return sharded_gated_delta_rule(
+            q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True, mode=s.delta_rule_mode
+        )
+
+    def conv_input(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
+        last K-1 inputs after it (the next conv state, owning its storage). ``conv_state`` [B, C, K-1]."""
+        if self.splits_sequence:
+            return sharded_conv_input(x, conv_state, self.sharding.group, self.sharding.query_sizes)
+        conv_in = torch.cat([conv_state, x], dim=-1)
+        return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
 
 
 @contextmanager
@@ -116,7 +162,7 @@ class Adapter(ABC):
     def mix(
         self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
     ) -> tuple[torch.Tensor | None, LayerState]:
-        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], segment state).
+        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], state).
 
         Without ``need_output`` only the state is needed (the output may be None), e.g. the
         last layer while capturing a prompt: attention then skips attending.
@@ -147,11 +193,11 @@ class Adapter(ABC):
         """ids [S] -> hidden [1, S, hidden]."""
         return self.backbone.embed_tokens(ids[None])
 
-    def context(self, h: torch.Tensor, start: int) -> SegmentContext:
+    def context(self, h: torch.Tensor, start: int, sharding: SegmentSharding | None = None) -> SegmentContext:
         length = h.shape[1]
         positions = torch.arange(start, start + length, device=h.device)[None]
         cos, sin = self.backbone.rotary_emb(h, positions)
-        return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0])
+        return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0], sharding=sharding)
 
     def layer(self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool):
         """One decoder layer. Returns (hidden, *segment_state), or the segment state alone without ``need_output``."""

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops.attention import prefix_causal_attention
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
@@ -44,7 +43,7 @@ def attention_mix(
     v = attn.v_proj(x).view(shape).transpose(1, 2)
     if not need_output:
         return None, (k, v)
-    out = prefix_causal_attention(q, past[0], past[1], k, v, attn.scaling, cache=ctx.scratch)
+    out = ctx.attention(q, past[0], past[1], k, v, attn.scaling)
     out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
     if gated:
         out = out * torch.sigmoid(gate)

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gated_delta_rule import gated_delta_rule
 from ..state import LayerState, StateSpec
-from .base import Adapter, register
+from .base import Adapter, SegmentContext, register
 from .dense import attention_mix, empty_kv, kv_specs
 
 
@@ -36,13 +35,18 @@ def _project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return mixer.in_proj_qkv(x), z, mixer.in_proj_b(x), mixer.in_proj_a(x)
 
 
-def gated_deltanet_mix(mixer: nn.Module, x: torch.Tensor, past: LayerState) -> tuple[torch.Tensor, LayerState]:
-    """Gated DeltaNet over segment ``x`` [1, S, hidden] continuing from (conv_state, recurrent_state)."""
+def gated_deltanet_mix(
+    mixer: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState
+) -> tuple[torch.Tensor, LayerState]:
+    """Gated DeltaNet over segment ``x`` [1, S, hidden] continuing from (conv_state, recurrent_state).
+
+    The new conv state owns its storage (a view would keep the segment's whole conv input alive
+    in every kept chunk boundary); the recurrent state stays float32 whatever the model's dtype.
+    """
     conv_state, recurrent_state = past
     seq_len = x.shape[1]
     qkv, z, b, a = _project(mixer, x)
-    conv_in = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [1, conv_dim, K-1+S]
-    new_conv_state = conv_in[..., -(mixer.conv_kernel_size - 1) :].clone()  # a view would keep conv_in alive
+    conv_in, new_conv_state = ctx.conv_input(qkv.transpose(1, 2), conv_state.to(qkv.dtype))  # [1, conv_dim, K-1+S]
     weight = mixer.conv1d.weight
     mixed = F.silu(F.conv1d(conv_in, weight, mixer.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
     q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
@@ -54,7 +58,7 @@ def gated_deltanet_mix(mixer: nn.Module, x: torch.Tensor, past: LayerState) -> t
     groups = mixer.num_v_heads // mixer.num_k_heads
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    out, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state, use_qk_l2norm=True)
+    out, new_recurrent_state = ctx.delta_rule(q, k, v, g, beta, recurrent_state)
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     return mixer.out_proj(out.reshape(1, seq_len, -1)), (new_conv_state, new_recurrent_state)
 
@@ -82,5 +86,5 @@ class HybridGatedDeltaNetAdapter(Adapter):
     def mix(self, idx, x, ctx, past, need_output):
         layer = self.layers[idx]
         if self._is_linear(idx):
-            return gated_deltanet_mix(layer.linear_attn, x, past)
+            return gated_deltanet_mix(layer.linear_attn, x, ctx, past)
         return attention_mix(layer.self_attn, x, ctx, past, need_output)

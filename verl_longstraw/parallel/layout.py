@@ -38,6 +38,11 @@ class PromptLayout:
     world: int
 
     def __post_init__(self) -> None:
+        if self.chunk_size is not None and self.chunk_size < self.world:
+            raise ValueError(
+                f"chunk_size={self.chunk_size} is smaller than the context-parallel size {self.world}: every rank "
+                f"needs at least one token of every chunk; use chunk_size >= {self.world} (tokens per chunk, all ranks)"
+            )
         if self.length < self.world:
             raise ValueError(
                 f"the prompt has {self.length + 1} tokens ({self.length} captured), fewer than the context-parallel "

@@ -1,0 +1,130 @@
+"""Context-parallel core against the single-process core: tiny models of all five families on
+R = 2, 3, 4 gloo ranks (spawned processes, hard timeouts), odd prompt lengths, short last
+chunks, G in {R-1, R, 2R+1}, exact and detached; plus bad input raising on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
+
+
+def _group(seed: int, prompt_len: int, num_responses: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    lengths = [3 + (5 * i + seed) % 11 for i in range(num_responses)]
+    return prompt, [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def _loss(i: int, lp: torch.Tensor) -> torch.Tensor:
+    weights = torch.linspace(-1.0, 1.0, len(lp), device=lp.device) * (i + 1)
+    return (weights * lp).sum()
+
+
+def _run(model, prompt, responses, chunk, mode, group):
+    """(log-probs [G] list, losses [G], flat parameter gradient summed over the group)."""
+    model.zero_grad(set_to_none=True)
+    state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=mode == "exact", cp_group=group)
+    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group)
+    losses = group_backward(model, prompt, responses, _loss, prompt_grad=mode, chunk_size=chunk, state=state,
+                            cp_group=group)
+    grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+    if group is not None:
+        dist.all_reduce(grad, group=group)
+    return log_probs, losses, grad, state.nbytes()
+
+
+def _cases(world: int) -> list[tuple]:
+    """(family, prompt length, chunk size, G, prompt_grad) covering every family and G in {R-1, R, 2R+1}."""
+    sizes = [max(world - 1, 1), world, 2 * world + 1]
+    chunks = [None, 64, 97, 299]  # 299 of 300 captured tokens: a 1-token last chunk, merged into the one before
+    cases = []
+    for n, family in enumerate(FAMILIES):
+        prompt_len = 301 if n % 2 == 0 else 517
+        cases.append((family, prompt_len, chunks[n % len(chunks)], sizes[n % 3], "exact"))
+    cases.append(("qwen3_5", 301, 64, sizes[2], "detached"))
+    cases.append(("deepseek_v3", 301, 97, sizes[0], "detached"))
+    return cases
+
+
+def _compare_worker(rank: int, world: int) -> list[dict]:
+    group = dist.new_group(list(range(world)))
+    out = []
+    for case_index, (family, prompt_len, chunk, num_responses, mode) in enumerate(_cases(world)):
+        model = tiny_model(family, torch.float32, seed=case_index)
+        prompt, responses = _group(case_index, prompt_len, num_responses)
+        lps, losses, grad, state_bytes = _run(model, prompt, responses, chunk, mode, group)
+        record = {"case": (family, prompt_len, chunk, num_responses, mode), "lps": lps, "losses": losses,
+                  "state_bytes": state_bytes}
+        if rank == 0:  # the single-process reference, same model and inputs
+            ref_lps, ref_losses, ref_grad, ref_bytes = _run(model, prompt, responses, chunk, mode, None)
+            record.update(
+                lp_err=max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps, strict=True)),
+                loss_err=float((losses - ref_losses).abs().max()),
+                grad_err=float((grad - ref_grad).norm() / ref_grad.norm()),
+                ref_state_bytes=ref_bytes,
+            )
+        out.append(record)
+        dist.barrier(group)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cp_matches_single_process(world):
+    results = run_ranks(_compare_worker, world, timeout_s=600)
+    for case_index, reference in enumerate(results[0]):
+        case = reference["case"]
+        assert reference["lp_err"] < 1e-5, (case, reference["lp_err"])
+        assert reference["loss_err"] < 1e-4, (case, reference["loss_err"])
+        assert reference["grad_err"] < 1e-5, (case, reference["grad_err"])
+        for other in results[1:]:  # every rank ends with every response's log-probs
+            assert all(torch.equal(a, b) for a, b in zip(other[case_index]["lps"], reference["lps"], strict=True))
+            assert torch.equal(other[case_index]["losses"], reference["losses"])
+
+
+def _bad_input_worker(rank: int, world: int) -> list[str]:
+    group = dist.new_group(list(range(world)))
+    model = tiny_model("qwen3", torch.float32)
+    prompt, responses = _group(0, 41, 3)
+    messages = []
+
+    def expect_error(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+
+    # ranks disagreeing on the prompt, on a response, on the chunk size
+    other_prompt = prompt.clone()
+    other_prompt[7] = (other_prompt[7] + rank) % VOCAB
+    expect_error(lambda: group_log_probs(model, other_prompt, responses, cp_group=group))
+    other_responses = [r.clone() for r in responses]
+    other_responses[-1] = other_responses[-1][: 1 + rank]
+    expect_error(lambda: group_log_probs(model, prompt, other_responses, cp_group=group))
+    expect_error(lambda: group_log_probs(model, prompt, responses, chunk_size=8 + rank, cp_group=group))
+    # bad input on one rank only: every rank raises
+    bad = responses if rank else [responses[0], torch.tensor([VOCAB + 5])]
+    expect_error(lambda: group_backward(model, prompt, bad, _loss, cp_group=group))
+    # more ranks than tokens per chunk, and a prompt shorter than the group
+    expect_error(lambda: group_log_probs(model, prompt, responses, chunk_size=world - 1, cp_group=group))
+    expect_error(lambda: group_log_probs(model, prompt[:world - 1], responses, cp_group=group))
+    # a loss_fn that returns a non-scalar on one rank's response
+    expect_error(lambda: group_backward(model, prompt, responses, lambda i, lp: lp if i == 1 else lp.sum(),
+                                        cp_group=group))
+    return messages
+
+
+def test_cp_bad_input_raises_on_every_rank():
+    results = run_ranks(_bad_input_worker, 3, timeout_s=300, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    expected = ["different prompt_ids", "different responses", "different chunk_size", "outside the vocabulary",
+                "chunk_size", "fewer than the context-parallel size", "loss_fn must return a scalar"]
+    for messages in results:
+        assert len(messages) == len(expected)
+        for message, fragment in zip(messages, expected, strict=True):
+            assert fragment in message, (fragment, message)

@@ -1,0 +1,161 @@
+"""The core under FSDP2, wrapped the way veRL's ``apply_fsdp2`` wraps a model (each decoder layer and
+an untied embedding, then the root):
+
+- context parallel on 2 ranks in lockstep: the same gradients as one process; identical per-rank
+  traces of collectives (the CP ops' and FSDP2's own all-gathers / reduce-scatters); never more
+  than two decoder layers' parameters unsharded; no unsharded gradient kept after a backward;
+- bf16 mixed precision with ``cast_forward_inputs=True`` (veRL's policy): the Gated DeltaNet
+  recurrent state a layer sees stays float32.
+
+FSDP2 internals are observed here through its private modules (test-only instrumentation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group_module
+
+from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw.adapters import hybrid
+from verl_longstraw.parallel import comm
+from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.tiny import VOCAB, tiny_model
+
+
+def _wrap(model, mp_policy: MixedPrecisionPolicy | None = None):
+    """fully_shard per decoder layer and the untied embedding, then the root (veRL 0.9.1 ``apply_fsdp2``)."""
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    backbone = model.model
+    for layer in backbone.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(backbone.embed_tokens, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class _FsdpRecorder:
+    """Counts FSDP2's collectives and the decoder layers unsharded at once (patches its param-group module)."""
+
+    def __init__(self, layer_groups: set[int]):
+        self.layer_groups = layer_groups
+        self.trace: list[tuple[str, int]] = []
+        self.max_layers_unsharded = 0
+        self._originals = {}
+
+    def __enter__(self):
+        group_class = fsdp_group_module.FSDPParamGroup
+        gather, reduce = fsdp_group_module.foreach_all_gather, fsdp_group_module.foreach_reduce
+        unshard = group_class.unshard
+        recorder = self
+
+        def all_gather(fsdp_params, *args, **kwargs):
+            recorder.trace.append(("fsdp_all_gather", sum(p.sharded_param.numel() for p in fsdp_params)))
+            return gather(fsdp_params, *args, **kwargs)
+
+        def reduce_scatter(fsdp_params, *args, **kwargs):
+            recorder.trace.append(("fsdp_reduce_scatter", sum(p.sharded_param.numel() for p in fsdp_params)))
+            return reduce(fsdp_params, *args, **kwargs)
+
+        def unshard_and_count(group, *args, **kwargs):
+            out = unshard(group, *args, **kwargs)
+            live = [g for g in recorder.all_groups if id(g) in recorder.layer_groups
+                    and (g.is_unsharded or g._all_gather_result is not None)]
+            recorder.max_layers_unsharded = max(recorder.max_layers_unsharded, len(live))
+            return out
+
+        self._originals = {"foreach_all_gather": gather, "foreach_reduce": reduce}
+        self._unshard = unshard
+        fsdp_group_module.foreach_all_gather = all_gather
+        fsdp_group_module.foreach_reduce = reduce_scatter
+        group_class.unshard = unshard_and_count
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(fsdp_group_module, name, fn)
+        fsdp_group_module.FSDPParamGroup.unshard = self._unshard
+
+
+def _param_group(module):
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def _loss(i: int, lp: torch.Tensor) -> torch.Tensor:
+    return (torch.linspace(-1.0, 1.0, len(lp)) * (i + 1) * lp).sum()
+
+
+def _lockstep_worker(rank: int, world: int, family: str) -> dict:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (157,), generator=gen)
+    responses = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 11, 4)]
+    reference = tiny_model(family, torch.float32)
+    model = _wrap(tiny_model(family, torch.float32))
+    group = dist.new_group(list(range(world)))
+
+    ref_lps = group_log_probs(reference, prompt, responses, chunk_size=48)
+    group_backward(reference, prompt, responses, _loss, chunk_size=48)
+
+    recorder = _FsdpRecorder(set())
+    recorder.all_groups = [_param_group(layer) for layer in model.model.layers]
+    recorder.layer_groups = {id(g) for g in recorder.all_groups}
+    kept_unsharded_grad = False
+    with recorder, comm.trace_collectives() as cp_trace:
+        state = capture_prompt(model, prompt, chunk_size=48, cp_group=group)
+        lps = group_log_probs(model, prompt, responses, chunk_size=48, state=state, cp_group=group)
+        group_backward(model, prompt, responses, _loss, chunk_size=48, state=state, cp_group=group)
+        for g in recorder.all_groups:
+            kept_unsharded_grad |= any(p.unsharded_accumulated_grad is not None for p in g.fsdp_params)
+    # FSDP averages the ranks' partial gradients over the shard group: x world gives their sum
+    grad_errors = []
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        full = p.grad.full_tensor() * world
+        grad_errors.append((name, float((full - ref.grad).norm()), float(ref.grad.norm())))
+    total_err = sum(e**2 for _, e, _ in grad_errors) ** 0.5 / sum(n**2 for _, _, n in grad_errors) ** 0.5
+    return {
+        "lp_err": max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps, strict=True)),
+        "grad_err": total_err,
+        "trace": recorder.trace + [tuple(r) for r in cp_trace],
+        "fsdp_collectives": len(recorder.trace),
+        "max_layers_unsharded": recorder.max_layers_unsharded,
+        "kept_unsharded_grad": kept_unsharded_grad,
+    }
+
+
+def test_cp_lockstep_under_fully_shard():
+    for family in ("qwen3_5", "deepseek_v3"):
+        results = run_ranks(_lockstep_worker, 2, family, timeout_s=600, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        for result in results:
+            assert result["lp_err"] < 1e-5, (family, result["lp_err"])
+            assert result["grad_err"] < 1e-5, (family, result["grad_err"])
+            assert result["fsdp_collectives"] > 0
+            assert 1 <= result["max_layers_unsharded"] <= 2, (family, result["max_layers_unsharded"])
+            assert not result["kept_unsharded_grad"]
+        assert results[0]["trace"] == results[1]["trace"], family
+
+
+def _mixed_precision_worker(rank: int, world: int) -> list[str]:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    model = _wrap(tiny_model("qwen3_5", torch.float32), policy)
+    seen: list[str] = []
+    original = hybrid.gated_deltanet_mix
+
+    def spy(mixer, x, ctx, past):
+        seen.append(str(past[1].dtype))
+        return original(mixer, x, ctx, past)
+
+    hybrid.gated_deltanet_mix = spy
+    try:
+        prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
+        responses = [torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(1))]
+        group_backward(model, prompt, responses, _loss, chunk_size=16)
+    finally:
+        hybrid.gated_deltanet_mix = original
+    return seen
+
+
+def test_float32_recurrent_state_survives_bf16_cast_forward_inputs():
+    seen = run_ranks(_mixed_precision_worker, 1, timeout_s=300)[0]
+    assert seen and set(seen) == {"torch.float32"}, seen
