@@ -18,8 +18,8 @@ import inspect
 import torch
 from torch import nn
 
-from ..ops.attention import prefix_causal_attention, prefix_causal_attention_reference
-from ..ops.dsa_topk import dsa_topk_mask
+from ..ops.attention import prefix_causal_attention_reference
+from ..parallel.dsa import sharded_dsa_topk_mask
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
@@ -41,15 +41,21 @@ def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, inte
     return torch.cat([apply_rope(k_rope, ctx.cos, ctx.sin, interleaved), k_pass], dim=-1)
 
 
-def _sparse_selection(indexer: nn.Module, x, q_resid, keys, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
-    """Bool key mask [S, P + S]: True for each query's top-k keys by indexer score (DSA), causal
-    (``ops.dsa_topk``; ``keys`` [1, P + S, index_head_dim])."""
+def _sparse_selection(
+    indexer: nn.Module, x, q_resid, past_keys, keys, ctx: SegmentContext, interleaved: bool
+) -> torch.Tensor | None:
+    """Bool key mask of each query's top-k keys by indexer score (DSA), causal, or None where top-k keeps every
+    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``); ``past_keys``
+    [1, P(_r), index_head_dim] and ``keys`` [1, S, index_head_dim] the indexer keys of the prefix and segment."""
     q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [1, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)
     q = torch.cat([q_rope, q_pass], dim=-1)
     weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [1, S, H]
-    return dsa_topk_mask(q[0].float(), weights[0], keys[0].float(), indexer.softmax_scale, indexer.index_topk)
+    return sharded_dsa_topk_mask(
+        q[0].float(), weights[0], past_keys[0].float(), keys[0].float(), indexer.softmax_scale, indexer.index_topk,
+        ctx.sharding,
+    )
 
 
 @register
@@ -72,20 +78,15 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         return tuple(like.new_zeros(*spec.shape[:-2], 0, spec.shape[-1]) for spec in self.state_specs(idx))
 
     def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState):
-        """(extra indexer-key state, bool key mask [S, P + S] or None) for a DSA layer; None when top-k keeps
-        every key."""
+        """(extra indexer-key state, bool key mask or None) for a DSA layer (``_sparse_selection``)."""
         if not hasattr(self.config, "index_topk"):
             return (), None
-        total = past[0].shape[1] + ctx.length
         if not self._runs_indexer(idx):  # shared layer: reuse the previous indexer layer's selection
             return (), ctx.scratch.get("dsa_mask")
         interleaved = rope_is_interleaved(self.config, attn.indexer)
         with torch.no_grad():  # selection only: the model's indexer gets no gradient either
             keys = _indexer_keys(attn.indexer, x, ctx, interleaved)
-            mask = None
-            if total > attn.indexer.index_topk:
-                all_keys = torch.cat([past[1], keys], dim=1)
-                mask = _sparse_selection(attn.indexer, x, q_resid, all_keys, ctx, interleaved)
+            mask = _sparse_selection(attn.indexer, x, q_resid, past[1], keys, ctx, interleaved)
         ctx.scratch["dsa_mask"] = mask
         return (keys,), mask
 
@@ -113,9 +114,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         if self.absorbed:
             query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
             prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, S, rank + rope]
-            out = prefix_causal_attention(
-                query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask, cache=ctx.scratch
-            )
+            out = ctx.attention(query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask)
             out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
         else:
             state = torch.cat([past[0], segment], dim=1)

@@ -1,0 +1,104 @@
+"""DSA top-k key selection for a segment split over a CP group, over a prefix whose rows are split too.
+
+One process (``ops.dsa_topk``) gives each query its ``topk`` best visible keys by indexer score,
+ties to the earlier key. Under CP the keys a query sees lie on every rank: each rank's prefix rows
+and, in a capture chunk, the own keys of the earlier ranks. On every rank r:
+
+1. all-gather the indexer queries and weights of every rank's tokens (no autograd: selection only);
+2. score all N = sum(query_sizes) queries against the local keys with the blocked scorer and keep
+   each query's local top-k as sort keys (score, then global key position: ``top_sort_keys``);
+3. all-gather every rank's local top-k: the ``topk``-th largest of their union is the query's
+   threshold. Sort keys of visible keys are distinct, and a key of the global top-k is in its own
+   rank's local top-k, so the keys at or above the threshold are exactly the single-process selection,
+   tie rule included;
+4. mark the local keys at or above the threshold: the key mask [N, P_r + T_r] ``sharded_prefix_attention``
+   takes (``SegmentContext.attention``).
+
+Global key positions (the tie order) are those of one process: rank r's prefix rows sit at the prompt
+positions of ``SegmentSharding.prefix_spans``, own keys after the whole prefix, at ``sum(prefix_sizes)`` + the
+token's index in the segment (a capture chunk: counted over the ranks in order; a replayed response: its own
+tokens, the only own keys its queries see).
+
+Steps 2-4 run ``query_block`` queries at a time: temporaries O(query_block x (R x topk + key_block)) int64
+besides the mask. Whether top-k keeps every visible key (no mask on any rank) and every collective's shape
+follow from the replicated sizes: ranks issue the same 2 + ceil(N / query_block) all-gathers whatever the data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.dsa_topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
+from .comm import all_gather, group_rank
+from .segment import SegmentSharding
+
+QUERY_BLOCK = 1024
+
+
+def sharded_dsa_topk_mask(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    scale: float,
+    topk: int,
+    sharding: SegmentSharding | None,
+    key_block: int = KEY_BLOCK,
+    query_block: int = QUERY_BLOCK,
+) -> torch.Tensor | None:
+    """Bool mask of this rank's keys among each query's ``topk`` best (DSA), or None where top-k keeps every key.
+
+    On rank r (float32): ``q`` [T_r, H, D] indexer queries and ``weights`` [T_r, H] of its segment,
+    ``k_prefix`` [P_r, D] indexer keys of its prefix rows, ``k_self`` [T_r, D] of its segment (T_r =
+    ``query_sizes[r]``, P_r = ``prefix_sizes[r]``). Returns [N, P_r + T_r]: for every query of every rank
+    (rank order, N = sum(query_sizes)) its selected keys among this rank's prefix rows, then own keys,
+    visible ones only. ``sharding`` None: one process, ``dsa_topk_mask`` [T, P + T]. Index scores are in
+    the ``ops.dsa_topk`` docstring.
+    """
+    if sharding is None:
+        if k_prefix.shape[0] + k_self.shape[0] <= topk:
+            return None
+        return dsa_topk_mask(q, weights, torch.cat([k_prefix, k_self]), scale, topk, key_block)
+    s = sharding
+    prefix_total = sum(s.prefix_sizes)
+    most_visible = prefix_total + (sum(s.query_sizes) if s.consecutive else max(s.query_sizes))
+    if most_visible <= topk:
+        return None
+    key_pos, last_visible = _positions(s, k_prefix.shape[0], q.device)
+    queries = torch.cat(all_gather(q, s.group, s.query_sizes))
+    query_weights = torch.cat(all_gather(weights, s.group, s.query_sizes))
+    keys = torch.cat([k_prefix, k_self])
+    local_topk = [min(topk, p + t) for p, t in zip(s.prefix_sizes, s.query_sizes, strict=True)]
+    mask = torch.empty(len(queries), len(keys), dtype=torch.bool, device=q.device)
+    for start in range(0, len(queries), query_block):
+        rows = slice(start, start + query_block)
+        best = top_sort_keys(queries[rows], query_weights[rows], keys, scale, topk, key_pos, last_visible[rows],
+                             key_block)
+        union = torch.cat(all_gather(best, s.group, local_topk, dim=1), dim=1)  # >= topk wide: most_visible > topk
+        threshold = union.topk(topk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        local_index = torch.searchsorted(key_pos, sort_key_position(best))
+        visible = key_pos <= last_visible[rows, None]
+        mask[rows] = torch.zeros_like(visible).scatter_(1, local_index, best >= threshold) & visible
+    return mask
+
+
+def _positions(s: SegmentSharding, prefix_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global positions int64 [P_r + T_r] of this rank's keys (ascending), and the last position each of the N
+    queries sees (int64 [N]), in one process's numbering: prompt positions, then the segment's tokens."""
+    if s.prefix_spans is None or sum(end - start for start, end in s.prefix_spans) != prefix_rows:
+        raise ValueError(
+            f"SegmentSharding.prefix_spans={s.prefix_spans} does not cover this rank's {prefix_rows} prefix rows: "
+            "DSA sparse selection needs the prompt positions of the rows (set by replay.prompt_chunks and "
+            "replay.response_rounds from the PromptLayout)"
+        )
+    rank, prefix_total = group_rank(s.group), sum(s.prefix_sizes)
+    before, own = sum(s.query_sizes[:rank]), s.query_sizes[rank]
+    own_start = prefix_total + (before if s.consecutive else 0)
+    spans = [*s.prefix_spans, (own_start, own_start + own)]
+    key_pos = torch.cat([torch.arange(start, end, device=device) for start, end in spans])
+    if s.consecutive:  # one sequence: query n is token prefix_total + n
+        last_visible = prefix_total + torch.arange(sum(s.query_sizes), device=device)
+    else:  # each response sees the prefix, and its own keys causally (only on its own rank)
+        last_visible = torch.full((sum(s.query_sizes),), prefix_total - 1, device=device)
+        last_visible[before : before + own] = prefix_total + torch.arange(own, device=device)
+    return key_pos, last_visible
