@@ -1,23 +1,34 @@
 """The pre-flight estimate: prompt-state bytes exactly (those PromptState.nbytes measures, kept
 boundary states included; state-gradient bytes those of the differentiable state tensors), peak
 saved-for-backward bytes within 20% of SavedTensorMeter on CPU, and an early budget error from
-group_backward.
+group_backward; the same per rank of a context-parallel group (R in {1, 2, 4} gloo ranks, one
+spawned run per R), where a too small budget raises the same MemoryError on every rank.
 
 Measured estimate/meter ratios (tiny models, fp32 and bf16, P 1024-2048, chunk 128/512/None,
-exact and detached): 0.85-1.19.
+exact and detached): 0.85-1.19. Per rank (fp32, chunked exact, P 1024-2048, chunk 128-512, R 2 and 4;
+(saved + state) / (measured saved + state)): qwen3 0.91-1.06, qwen3_5 0.97-1.04, qwen3_next 0.94-1.00,
+deepseek_v3 0.94-0.95. SavedTensorMeter keeps the saved tensors of graph branches that no backward runs
+(the last layer's query path in each recomputed chunk: the meter's packed tensor refers back to its node);
+without that artifact these ratios are 1.00-1.07.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
+import verl_longstraw.api as api
 from verl_longstraw import GroupStats, capture_prompt, group_backward
-from verl_longstraw.estimate import estimate_memory
+from verl_longstraw.estimate import check_budget, estimate_memory
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.testing import make_group, weighted_loss
-from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_config, tiny_model
 
 RESPONSE_LEN = 32
 CASES = (
@@ -95,3 +106,119 @@ def test_estimate_scales_to_real_configs():
     estimate = estimate_memory(config, tokens + 1, 8, 1024, 4096, "exact", torch.bfloat16)
     assert estimate.state_bytes == tokens * (4 * (512 + 64) + 2 * 128) * 2
     assert estimate.state_grad_bytes == tokens * 4 * (512 + 64) * 4
+
+
+CP_CASES = (("qwen3", 1024, 256), ("qwen3_5", 1024, 256))  # (family, P, chunk): dense and hybrid, chunked exact
+CP_BUDGET_PROMPT_LEN, CP_BUDGET_CHUNK = 257, 64
+
+
+@contextmanager
+def state_leaf_grad_meter() -> Iterator[list[int]]:
+    """Bytes of the gradients each replayed response's backward leaves on the state leaves (one entry per response),
+    read where ``group_backward`` adds them into the float32 sums."""
+    original, sizes = api.accumulate_state_grads, []
+
+    def metered(leaves, grads, on_host=False):
+        sizes.append(sum(t.grad.untyped_storage().nbytes() for layer in leaves for t in layer if t.grad is not None))
+        return original(leaves, grads, on_host)
+
+    api.accumulate_state_grads = metered
+    try:
+        yield sizes
+    finally:
+        api.accumulate_state_grads = original
+
+
+def _cp_measure(rank: int, world: int) -> dict:
+    """On one rank of ``world`` (1: one process, no group): per CP_CASES case the peak saved bytes, the state
+    bytes and the largest state-gradient handed back by one response's backward of ``group_backward``; with
+    ``world`` 2 also the budget check's outcome without and with the state gradient on the host."""
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    out = {"cases": []}
+    for family, prompt_len, chunk in CP_CASES:
+        model = tiny_model(family)
+        prompt, responses = make_group(VOCAB, prompt_len, [RESPONSE_LEN] * world)  # G = R: one full round
+        stats = GroupStats()
+        with parameter_meter(model) as meter, state_leaf_grad_meter() as leaf_grads:
+            group_backward(model, prompt, responses, weighted_loss, "exact", chunk, stats=stats, cp_group=group)
+        out["cases"].append({"saved": meter.peak, "state": stats.prompt_state_bytes, "leaf_grads": max(leaf_grads)})
+    if world == 2:
+        out["budget"] = _cp_budget(group, world)
+    return out
+
+
+def _cp_budget(group, world: int) -> dict:
+    """A budget between the device bytes with and without the state gradient on the host: MemoryError without
+    (nothing computed), success with ``state_grad_on_host=True``."""
+    model = tiny_model("qwen3")
+    prompt, responses = make_group(VOCAB, CP_BUDGET_PROMPT_LEN, [8] * world)
+    estimate = estimate_memory(model.config, CP_BUDGET_PROMPT_LEN, world, 8, CP_BUDGET_CHUNK, "exact",
+                               torch.float32, cp_size=world)
+    budget = estimate.total_bytes - estimate.state_grad_bytes // 2
+    message = None
+    try:
+        group_backward(model, prompt, responses, weighted_loss, chunk_size=CP_BUDGET_CHUNK,
+                       memory_budget_bytes=budget, cp_group=group)
+    except MemoryError as exc:
+        message = str(exc)
+    untouched = all(p.grad is None for p in model.parameters())
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=CP_BUDGET_CHUNK, memory_budget_bytes=budget,
+                   cp_group=group, state_grad_on_host=True)
+    return {"message": message, "untouched": untouched, "ran_offloaded": any(p.grad is not None
+                                                                                for p in model.parameters())}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_estimate_per_rank_matches_meter(world, record_property):
+    """Per rank of R ranks, chunked exact: prompt-state bytes and the state gradients one backward hands back
+    exactly, peak saved-for-backward + state bytes within 20 % (rank r's own estimate)."""
+    results = [_cp_measure(0, 1)] if world == 1 else run_ranks(_cp_measure, world, timeout_s=600)
+    for rank, result in enumerate(results):
+        for (family, prompt_len, chunk), measured in zip(CP_CASES, result["cases"], strict=True):
+            model = tiny_model(family)
+            estimate = estimate_memory(model.config, prompt_len, world, RESPONSE_LEN, chunk, "exact", torch.float32,
+                                       cp_size=world, rank=rank)
+            ratio = (estimate.saved_peak_bytes + estimate.state_bytes) / (measured["saved"] + measured["state"])
+            record_property(f"ratio_{family}_rank{rank}", ratio)
+            assert estimate.state_bytes == measured["state"], (family, rank)
+            assert estimate.state_leaf_grad_bytes == measured["leaf_grads"], (family, rank)
+            assert 0.8 <= ratio <= 1.2, (family, rank, ratio)
+    if world == 2:
+        budgets = [result["budget"] for result in results]
+        assert all(b["untouched"] and b["ran_offloaded"] for b in budgets), budgets
+        messages = {b["message"] for b in budgets}
+        assert len(messages) == 1, messages  # every rank raised the same error
+        message = messages.pop()
+        assert message is not None and "R=2" in message
+        for knob in ("chunk_size=", "context-parallel size R=4", "state_grad_on_host=True (-", "fits",
+                     "prompt_grad='detached'"):
+            assert knob in message, (knob, message)
+
+
+def test_state_grad_on_host_moves_bytes_to_host():
+    """With the state gradient on the host its float32 sums leave the device total for the host total;
+    nothing else changes."""
+    config = tiny_config("qwen3_5")
+    device = estimate_memory(config, 4097, 8, 64, 512, "exact", torch.bfloat16, cp_size=4)
+    host = estimate_memory(config, 4097, 8, 64, 512, "exact", torch.bfloat16, cp_size=4, state_grad_on_host=True)
+    assert device.host_bytes == 0 and host.host_bytes == host.state_grad_bytes == device.state_grad_bytes > 0
+    assert device.total_bytes - host.total_bytes == host.state_grad_bytes
+
+
+@pytest.mark.parametrize("knob", ["state_grad_on_host=True", "prompt_grad='detached'"])
+def test_budget_error_says_which_knob_fits(knob):
+    """A budget that exactly fits the estimate with one knob turned: the error names that knob as fitting, with
+    the bytes it saves; one byte less and it is not enough alone."""
+    config = tiny_config("qwen3_5")
+    args = (config, 4097, 8, 64, 512)
+    exact = estimate_memory(*args, "exact", torch.bfloat16, cp_size=4)
+    turned = estimate_memory(*args, "exact", torch.bfloat16, cp_size=4, state_grad_on_host=True)
+    if knob == "prompt_grad='detached'":
+        turned = estimate_memory(*args, "detached", torch.bfloat16, cp_size=4)
+    saved = f"{(exact.total_bytes - turned.total_bytes) / 2**30:.3g} GiB"
+    for budget, verdict in ((turned.total_bytes, "fits"), (turned.total_bytes - 1, "not enough alone")):
+        with pytest.raises(MemoryError, match=r"per rank \(R=4\)") as error:
+            check_budget(exact, budget)
+        assert f"{knob} (-{saved}, {verdict}" in str(error.value)
+    check_budget(turned, turned.total_bytes)

@@ -1,15 +1,24 @@
-"""Pre-flight memory estimate for one GRPO group, from a transformers config alone.
+"""Pre-flight memory estimate for one GRPO group on one rank, from a transformers config alone.
 
-``estimate_memory`` predicts, in bytes:
-- ``state_bytes``: the prompt state for P - 1 captured tokens, what ``PromptState.nbytes``
-  measures (exact: it sums the adapter's own ``state_specs``, read from a model built on the
-  meta device, so estimate and state share one layout): growing tensors, fixed-size tensors
-  and, in exact mode, their copies kept at every chunk boundary;
-- ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held
-  in exact mode;
+``estimate_memory`` predicts, in bytes, for rank ``rank`` of a context-parallel (CP) group of
+``cp_size`` ranks (1: one process), whose rows come from the layout the core uses
+(``parallel.layout.PromptLayout``: every chunk split over the R ranks):
+- ``state_bytes``: the rank's prompt state, what ``PromptState.nbytes`` measures (exact: it sums
+  the adapter's own ``state_specs``, read from a model built on the meta device, so estimate and
+  state share one layout): growing tensors for the rank's rows (about (P - 1) / R), the replicated
+  fixed-size tensors and, in exact mode, their copies kept at every chunk boundary
+  (``boundary_bytes``);
+- ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held in
+  exact mode, on the device or (``state_grad_on_host``) in host memory; ``state_leaf_grad_bytes``:
+  the gradients in the model's dtype that one response's backward hands the state leaves before
+  they are added into the sums (exact);
 - ``saved_peak_bytes``: the peak of tensors saved for backward (what ``SavedTensorMeter``
-  counts), the larger of the replay phase (one response of T tokens after the prompt) and,
-  in exact mode, the prompt backward (the last chunk, whose prefix is longest).
+  counts), the larger of the replay phase (one response of T tokens after the rank's rows) and,
+  in exact mode, the prompt backward (the last chunks, whose prefix is longest). Under CP both
+  include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
+  chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
+  Gated DeltaNet chunks the affine merge's summary run.
+``total_bytes`` is what the rank's device holds at the peak, ``host_bytes`` what it keeps on the host.
 
 Terms that grow with the prompt are counted exactly: K/V (or MLA latent) rows that attention
 concatenates and saves, the state buffers the blocked op saves, the shared additive mask and
@@ -23,19 +32,34 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import transformers
 
 from .adapters import adapter_for
 from .ops import attention as attention_ops
+from .parallel.layout import PromptLayout
 from .state import StateSpec
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
 GDN_MIXER = 8.0  # float32 q/k/v/decay intermediates of the chunked gated delta rule, in units of its widths
-GDN_CHUNK = 5.0  # its float32 per-chunk [64 x 64] matrices, in units of value heads x 64
 GDN_CHUNK_LEN = 64
+
+
+class RuleSaves(NamedTuple):
+    """Float32 tensors the chunked gated delta rule keeps per padded token and value head, in units of the key
+    head dim, the value head dim and the chunk length (its [64 x 64] per-chunk matrices); counted from its saved
+    tensors."""
+
+    key: int
+    value: int
+    chunk: int
+
+
+GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
+GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
 MLA_MIXER = 2.0
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 LOGITS = 3.0  # lm_head output, float32 copy and log-softmax, in units of vocab (float32)
@@ -44,20 +68,41 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Predicted bytes for one group; ``total_bytes`` adds state, state gradients and saved peak."""
+    """Predicted bytes of one group on one rank of a context-parallel group of ``cp_size`` ranks (1: one process).
 
-    state_bytes: int
-    state_grad_bytes: int
-    replay_saved_bytes: int
-    prompt_backward_saved_bytes: int
+    ``total_bytes`` is what the rank's device holds at the peak (what a budget limits);
+    ``host_bytes`` what it keeps in host memory.
+    """
+
+    state_bytes: int  # prompt state on this rank, ``boundary_bytes`` included
+    boundary_bytes: int  # exact mode: the fixed-size state kept at every chunk start but the last
+    state_grad_bytes: int  # exact mode: float32 sums of the state gradients (on the host with ``state_grad_on_host``)
+    state_leaf_grad_bytes: int  # exact mode: the gradients one response's backward leaves on the state (model dtype)
+    replay_saved_bytes: int  # saved for backward while a response replays (pass-Q included)
+    prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
+    pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
+    prompt_len: int  # the settings it was computed for
+    chunk_size: int | None
+    cp_size: int
+    state_grad_on_host: bool
 
     @property
     def saved_peak_bytes(self) -> int:
         return max(self.replay_saved_bytes, self.prompt_backward_saved_bytes)
 
     @property
+    def device_state_grad_bytes(self) -> int:
+        return 0 if self.state_grad_on_host else self.state_grad_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.state_grad_bytes + self.saved_peak_bytes
+        """Device bytes at the peak: state, state-gradient sums unless on the host, the saved peak and the
+        gradients a backward hands the state (each phase's transients counted at their largest)."""
+        return self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.state_grad_bytes - self.device_state_grad_bytes
 
 
 def state_specs(config) -> list[tuple[StateSpec, ...]]:
@@ -94,12 +139,14 @@ def _mlp_width(config, idx: int) -> int:
 
 
 class _Shapes:
-    """Per-layer state and per-token widths of a config."""
+    """Per-layer state and per-token widths of a config, on one rank of ``cp_size``."""
 
-    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]]):
+    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]], cp_size: int):
         self.config = config
         self.kinds = _layer_kinds(config)
-        self.act = torch.tensor([], dtype=dtype).element_size()
+        self.act = dtype.itemsize
+        self.compute = torch.promote_types(dtype, torch.float32).itemsize  # attention and delta-rule arithmetic
+        self.cp_size = cp_size
         c = config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -126,11 +173,28 @@ class _Shapes:
         return self.act * (NORM * c.hidden_size + mixer + MLP * _mlp_width(c, idx))
 
     def gdn_float32_bytes(self) -> float:
-        """Float32 bytes per (padded) token that the chunked gated delta rule saves."""
+        """Float32 bytes per token that a Gated DeltaNet layer's chunked rule and its float32 intermediates save."""
         c = self.config
         key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-        return 4 * (GDN_MIXER * 2 * (key_dim + value_dim) + GDN_CHUNK * c.linear_num_value_heads * GDN_CHUNK_LEN)
+        return 4 * (GDN_MIXER * 2 * (key_dim + value_dim) + GDN_RULE.chunk * c.linear_num_value_heads * GDN_CHUNK_LEN)
+
+    def gdn_rule_token_bytes(self, value_head_dim: int, saves: RuleSaves = GDN_RULE) -> float:
+        """Bytes the chunked gated delta rule itself keeps per (padded) token for values of ``value_head_dim``
+        per head."""
+        c = self.config
+        widths = saves.key * c.linear_key_head_dim + saves.value * value_head_dim + saves.chunk * GDN_CHUNK_LEN
+        return c.linear_num_value_heads * widths * self.compute
+
+    def gdn_affine_merge_bytes(self, tokens: int) -> float:
+        """What a CP chunk's affine Gated DeltaNet merge adds (``parallel.gated_delta``): the summary run of the
+        rule on values [v | 0] (Dv + Dk per head) over the padded tokens, and the R gathered summaries
+        [Dk, Dv + Dk] with the R start states [Dk, Dv]."""
+        c = self.config
+        heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        padded = tokens + (-tokens % GDN_CHUNK_LEN)
+        summary = padded * self.gdn_rule_token_bytes(dv + dk, GDN_SUMMARY)
+        return summary + self.cp_size * heads * dk * (2 * dv + dk) * self.compute
 
     def attention_rows(self, kind: str) -> int:
         """Mask rows per token: the query heads of a key head where the reference folds them into
@@ -141,8 +205,34 @@ class _Shapes:
         folded = attention_ops.folds_query_heads(heads, self.kv_heads, self.head_dim, self.head_dim)
         return heads // self.kv_heads if folded else 1
 
-    def segment_saved(self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool) -> int:
-        """Saved bytes of one segment of ``tokens`` after ``prefix`` state rows (buffers of ``state_len`` rows)."""
+    def attention_dims(self, kind: str) -> tuple[int, int, int]:
+        """(query heads, query/key dim, value dim) of the attention op (MLA: absorbed, in latent space)."""
+        c = self.config
+        if kind == "mla":
+            return c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+        return c.num_attention_heads, self.head_dim, self.head_dim
+
+    def pass_q_saved(self, queries: int, last_layer_stops: bool) -> int:
+        """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
+        ranks, summed over the attention layers: the queries (model dtype), the partial outputs, and the
+        log-sum-exps: this rank's, the R gathered ones, their merge and each rank's weight. 0 in one process."""
+        if self.cp_size == 1:
+            return 0
+        total = 0
+        layers = self.kinds[:-1] if last_layer_stops else self.kinds
+        for kind in layers:
+            if kind == "linear":
+                continue
+            heads, dim, v_dim = self.attention_dims(kind)
+            total += queries * heads * (dim * self.act + (v_dim + self.cp_size + 3) * self.compute)
+        return total
+
+    def segment_saved(
+        self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool, consecutive: bool
+    ) -> int:
+        """Saved bytes of one segment of ``tokens`` (on this rank) after ``prefix`` state rows (buffers of
+        ``state_len`` rows), pass-Q excluded; ``consecutive``: the ranks' tokens continue one another (a prompt
+        chunk under CP)."""
         total = 0.0
         masks: set[int] = set()
         for idx, kind in enumerate(self.kinds):
@@ -152,7 +242,14 @@ class _Shapes:
                 break
             total += tokens * self.token_bytes(idx, kind)
             if kind == "linear":  # the chunked rule pads the segment to whole chunks
-                total += (-tokens % GDN_CHUNK_LEN) * self.gdn_float32_bytes()
+                total += (-tokens % GDN_CHUNK_LEN) * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
+                if consecutive and self.cp_size > 1:
+                    total += self.gdn_affine_merge_bytes(tokens)
+                continue
+            if self.cp_size > 1:  # pass-Q: the blocked op over this rank's state buffer and own rows; the query
+                # and output it saves are the gathered rows (``pass_q_saved``), not this rank's own
+                heads, dim, v_dim = self.attention_dims(kind)
+                total += row_bytes * (state_len + tokens) - tokens * heads * (dim + v_dim) * self.act
                 continue
             rows = self.attention_rows(kind) * tokens
             keys = prefix + tokens
@@ -180,48 +277,105 @@ def estimate_memory(
     prompt_grad: str = "exact",
     dtype: torch.dtype = torch.bfloat16,
     specs: list[tuple[StateSpec, ...]] | None = None,
+    cp_size: int = 1,
+    state_grad_on_host: bool = False,
+    rank: int = 0,
 ) -> MemoryEstimate:
-    """Predicted memory of ``group_backward`` for a prompt of ``prompt_len`` tokens and ``group_size``
-    responses of at most ``response_len`` tokens (responses replay one at a time, so G only scales time).
+    """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
+    for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens
+    (responses replay one per rank at a time, so G only scales time).
 
+    The rank's rows come from the layout the core uses (``parallel.layout.PromptLayout``). Rank 0
+    holds the most rows (ranks differ by at most one row per chunk), so its figures bound every
+    rank's: every rank computes them from the same arguments and reaches the same verdict.
+    ``state_grad_on_host``: the state-gradient sums live in host memory (``group_backward``'s flag).
     ``specs``: the model's per-layer state layout (``adapter.specs()``) when a model is at hand;
     None builds it from ``config`` (``state_specs``).
     """
+    if not 0 <= rank < cp_size:
+        raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     specs = specs if specs is not None else state_specs(config)
-    shapes = _Shapes(config, dtype, specs)
-    state_len = prompt_len - 1
+    shapes = _Shapes(config, dtype, specs, cp_size)
     exact = prompt_grad == "exact"
-    segments = -(-state_len // (chunk_size or max(state_len, 1)))
-    fixed_copies = segments if exact else min(segments, 1)  # exact mode keeps every segment's start state
-    layout = [s for layer in specs for s in layer]
-    state = sum(_spec_bytes(s, state_len, dtype) * (1 if s.growing else fixed_copies) for s in layout)
-    state_grad = 0
-    if exact and state_len:
+    captured = prompt_len - 1
+    layout = PromptLayout(captured, chunk_size, cp_size) if captured else None
+    chunks = len(layout.chunks) if layout else 0
+    rows = layout.local_length(rank) if layout else 0
+
+    tensors = [s for layer in specs for s in layer]
+    fixed = sum(_spec_bytes(s, 0, dtype) for s in tensors if not s.growing) if chunks else 0
+    boundaries = fixed * (chunks - 1) if exact and chunks else 0  # every chunk's start state but the first
+    state = sum(_spec_bytes(s, rows, dtype) for s in tensors if s.growing) + fixed + boundaries
+    state_grad = leaf_grad = 0
+    if exact and rows:
         grad_dtype = torch.promote_types(dtype, torch.float32)
-        state_grad = sum(_spec_bytes(s, state_len, grad_dtype) for s in layout if s.differentiable)
-    replay = shapes.segment_saved(response_len, state_len, state_len, last_layer_stops=False)
-    replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
-    backward = 0
-    if exact and state_len:
-        chunk = min(chunk_size or state_len, state_len)
-        backward = shapes.segment_saved(chunk, state_len - chunk, state_len, last_layer_stops=True)
-    return MemoryEstimate(state, state_grad, replay, backward)
+        state_grad = sum(_spec_bytes(s, rows, grad_dtype) for s in tensors if s.differentiable)
+        leaf_grad = sum(_spec_bytes(s, rows, dtype) for s in tensors if s.differentiable)
+
+    real = min(group_size, cp_size)  # the first round: a response on each of min(G, R) ranks, 1-token dummies after
+    replay_queries = real * response_len + (cp_size - real)
+    replay_pass_q = shapes.pass_q_saved(replay_queries, last_layer_stops=False)
+    replay = shapes.segment_saved(response_len, rows, rows, last_layer_stops=False, consecutive=False)
+    replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4)) + replay_pass_q
+    backward = backward_pass_q = 0
+    if exact and chunks:
+        # the last chunk has the longest prefix; when it is short, the one before is larger
+        for k in range(max(chunks - 2, 0), chunks):
+            start, end = layout.chunks[k]
+            pass_q = shapes.pass_q_saved(end - start, last_layer_stops=True)
+            saved = pass_q + shapes.segment_saved(
+                layout.slice_sizes(k)[rank], layout.rows_before(k, rank), rows, last_layer_stops=True,
+                consecutive=True,
+            )
+            if saved > backward:
+                backward, backward_pass_q = saved, pass_q
+    return MemoryEstimate(
+        state_bytes=state,
+        boundary_bytes=boundaries,
+        state_grad_bytes=state_grad,
+        state_leaf_grad_bytes=leaf_grad,
+        replay_saved_bytes=replay,
+        prompt_backward_saved_bytes=backward,
+        pass_q_bytes=backward_pass_q if backward >= replay else replay_pass_q,
+        prompt_len=prompt_len,
+        chunk_size=chunk_size,
+        cp_size=cp_size,
+        state_grad_on_host=state_grad_on_host,
+    )
 
 
-def check_budget(estimate: MemoryEstimate, budget_bytes: int, chunk_size: int | None) -> None:
-    """Raise MemoryError when ``estimate.total_bytes`` exceeds ``budget_bytes``, naming what to change."""
-    if estimate.total_bytes <= budget_bytes:
+def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
+    """Raise MemoryError when one rank's device bytes ``estimate.total_bytes`` exceed ``budget_bytes``, naming
+    the knobs that shrink them: what each saves and whether that alone fits."""
+    e = estimate
+    if e.total_bytes <= budget_bytes:
         return
-    advice = []
-    if estimate.prompt_backward_saved_bytes >= estimate.replay_saved_bytes:
-        smaller = max(1, (chunk_size or 4096) // 4)
-        advice.append(f"set chunk_size={smaller} (now {chunk_size})")
-    if estimate.state_grad_bytes:
-        advice.append('use prompt_grad="detached" (drops the state gradients, biased)')
-    advice.append("shard or offload the prompt state, or shorten the prompt")
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.3g} GiB"
+
+    def saving(total_without: int) -> str:
+        verdict = "fits" if total_without <= budget_bytes else "not enough alone"
+        return f"-{gib(e.total_bytes - total_without)}, {verdict}"
+
+    knobs = []
+    if e.device_state_grad_bytes:
+        knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes)}: the float32 "
+                     "state-gradient sums in host memory)")
+    if e.state_grad_bytes:
+        detached = e.state_bytes - e.boundary_bytes + e.replay_saved_bytes
+        knobs.append(f"prompt_grad='detached' ({saving(detached)}; biased: drops the gradient through the prompt)")
+    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes:
+        smaller = max(e.cp_size, min(e.chunk_size or e.prompt_len, e.prompt_len) // 4)
+        knobs.append(f"chunk_size={smaller} (now {e.chunk_size}; the prompt backward saves "
+                     f"{gib(e.prompt_backward_saved_bytes)} for one chunk)")
+    knobs.append(f"context-parallel size R={2 * e.cp_size} (a cp_group of {2 * e.cp_size} ranks, now {e.cp_size}: "
+                 "each rank holds 1/R of the prompt's token rows and of their gradients)")
     raise MemoryError(
-        f"estimated {estimate.total_bytes / GIB:.2f} GiB > budget {budget_bytes / GIB:.2f} GiB "
-        f"(prompt state {estimate.state_bytes / GIB:.2f}, state gradients {estimate.state_grad_bytes / GIB:.2f}, "
-        f"saved for backward {estimate.saved_peak_bytes / GIB:.2f}); " + ", or ".join(advice)
+        f"estimated {gib(e.total_bytes)} > budget {gib(budget_bytes)} per rank (R={e.cp_size}): prompt state "
+        f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
+        f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
+        f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
+        f"pass-Q {gib(e.pass_q_bytes)}). To fit: " + "; ".join(knobs) + "; or shorten the prompt"
     )
