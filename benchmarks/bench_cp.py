@@ -15,7 +15,7 @@ table: an all-gather's output, a reduce-scatter's input (on a ring, a rank sends
 
 Formulas: ``FORMULAS`` below (also written into cp.md); ``formula_bytes`` evaluates them.
 
-    python benchmarks/bench_cp.py                   # qwen3, qwen3_5, deepseek_v3; R 1 2 4; P 4096 16384; G 8
+    python benchmarks/bench_cp.py                   # qwen3, qwen3_5, deepseek_v3; R 1 2 4; P 4096 8192 16384; G 8
     python benchmarks/bench_cp.py --quick --out /tmp/cp   # smoke test: tiny P, R 1 2, seconds
 """
 
@@ -231,8 +231,9 @@ def write_reports(rows: list[dict], out_dir: str, command: str, info: dict) -> N
         json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
     lines = [
         "# Context-parallel benchmark (CPU, gloo)", "", f"Command: `{command}`", "",
-        f"Machine at the start: {describe(info)}. The machine was shared with other jobs: "
-        "seconds are contended and only roughly comparable; bytes are exact.", "",
+        f"Machine at the start: {describe(info)}. The machine was shared with other jobs, and R ranks of one "
+        f"thread each share its {info['cpus']} CPUs: seconds are contended, only roughly comparable and show no "
+        "context-parallel speed-up; bytes are exact.", "",
         f"Chunked exact, chunk {rows[0]['chunk_size']} prompt tokens (global, split over the R ranks), responses of "
         f"T = {rows[0]['T']} tokens, float32, one thread per rank. Per-rank figures are the largest over the ranks; "
         "ratios are to R = 1 (one process, `cp_group=None`). Peak saved: bytes saved for backward over capture + "
@@ -337,7 +338,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4], help="R values (processes)")
-    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096, 8192, 16384],
+                        help="P values (8192: the size of the issue's memory acceptance)")
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[8])
     parser.add_argument("--chunk-size", type=int, default=2048, help="prompt tokens per capture/recompute chunk")
     parser.add_argument("--response-len", type=int, default=64)
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    command = "python benchmarks/bench_cp.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python benchmarks/bench_cp.py", *(argv if argv is not None else sys.argv[1:])])
     info = machine()
     rows = []
     for family in args.families:
