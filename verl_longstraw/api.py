@@ -104,7 +104,7 @@ def _agree(cp_group: comm.Group, validate: Callable[[], Any], prompt_ids, respon
     result, error = None, None
     try:
         result = validate()
-    except (ValueError, UnsupportedModelError) as exc:
+    except (ValueError, UnsupportedModelError, MemoryError) as exc:
         error = exc
     mine = None
     if error is None:
@@ -282,6 +282,7 @@ def group_backward(
     adapter, (chunks, rows) = _agree(
         cp_group, validate, prompt_ids, responses,
         chunk_size=chunk_size, temperature=temperature, entropy=with_entropy, prompt_grad=prompt_grad,
+        memory_budget_bytes=memory_budget_bytes, state_grad_on_host=state_grad_on_host,
     )
     device = _device(model)
     prompt_ids = prompt_ids.to(device)

@@ -58,7 +58,7 @@ class SavedTensorMeter:
             self.peak = max(self.peak, self.current)
         else:
             entry[0] += 1
-        return _Saved(tensor, self, key)
+        return _Saved(tensor.detach(), self, key)  # detached: a saved output would otherwise keep its own graph alive
 
     @staticmethod
     def _unpack(saved):

@@ -29,20 +29,22 @@ def attention_mix(
     """
     head_dim = attn.head_dim
     shape = (*x.shape[:-1], -1, head_dim)
+    k = attn.k_proj(x).view(shape)
+    if hasattr(attn, "k_norm"):
+        k = attn.k_norm(k)
+    k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if not need_output:  # only the state is needed (last layer of a capture): no queries
+        return None, (k, v)
     q = attn.q_proj(x)
     gated = q.shape[-1] == 2 * attn.o_proj.in_features
     if gated:
         q, gate = torch.chunk(q.view(*x.shape[:-1], -1, 2 * head_dim), 2, dim=-1)
         gate = gate.reshape(*x.shape[:-1], -1)
     q = q.reshape(shape)
-    k = attn.k_proj(x).view(shape)
     if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.q_norm(q)
     q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)
-    k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
-    if not need_output:
-        return None, (k, v)
     out = ctx.attention(q, past[0], past[1], k, v, attn.scaling)
     out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
     if gated:
