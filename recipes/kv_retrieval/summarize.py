@@ -7,6 +7,7 @@
 Metrics come from veRL's ``file`` logger (one JSON object per step). veRL truncates
 that file when it opens it, so run.sh gives every attempt its own
 ``DIR/metrics/attempt-*.jsonl``; on a resumed run the later attempt wins for a step.
+The report names the machine next to the step time, and splits the step time into phases.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import re
 import sys
 import time
 
+from verl_longstraw.machine import describe, machine
+
 REWARD = "critic/score/mean"
+# veRL's phases of a step (seconds), and LongStraw's parts of update_actor
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint")
+ACTOR_PARTS = {"capture": "actor/longstraw/capture_seconds", "replay": "actor/longstraw/replay_seconds",
+               "prompt backward": "actor/longstraw/prompt_backward_seconds"}
 ACC_KEYS = ("reward_extra_info/acc/mean", "reward/acc/mean", "critic/acc/mean")
 STEP_RE = re.compile(r"\bstep:(\d+) - ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -93,6 +100,31 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def phase_times(steps: dict[int, dict]) -> dict:
+    """Mean seconds of a step, of each phase and of update_actor's parts over the steps after the first
+    (which includes vLLM's and the trainer's warm-up); ``shares`` are fractions of the step."""
+    rows = list(steps.values())[1:] or list(steps.values())
+    step_s = _mean([r.get("timing_s/step") for r in rows])
+
+    def means(keys: dict[str, str]) -> dict[str, float]:
+        found = {name: _mean([r.get(key) for r in rows]) for name, key in keys.items()}
+        return {name: s for name, s in found.items() if s == s}  # NaN: not logged by this run
+
+    phases = means({p: f"timing_s/{p}" for p in PHASES})
+    parts = means(ACTOR_PARTS)
+    return {"steps": [list(steps)[-len(rows)], list(steps)[-1]], "step_seconds": step_s, "phase_seconds": phases,
+            "update_actor_seconds": parts, "shares": {name: s / step_s for name, s in {**phases, **parts}.items()}}
+
+
+def _shares_line(time: dict) -> str:
+    """'gen 9%, update_actor 72% (prompt backward 45%, ...), ...': phases of at least 0.5% of the step."""
+    shares = time["shares"]
+    parts = ", ".join(f"{p} {shares[p]:.0%}" for p in time["update_actor_seconds"])
+    phases = [f"{p} {shares[p]:.0%}" + (f" ({parts})" if p == "update_actor" and parts else "")
+              for p in time["phase_seconds"] if shares[p] >= 0.005]
+    return ", ".join(phases)
+
+
 def report(workdir: str, window: int | None, png: str | None) -> dict:
     steps = load_metrics(workdir)
     if not steps:
@@ -112,6 +144,8 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
     }
     if any(a is not None for a in acc):  # only when the reward function logs an exact-match rate
         out.update(exact_start=_mean(acc[:w]), exact_end=_mean(acc[-w:]))
+    out["time"] = phase_times(steps)
+    out["machine"] = machine()
     ckpt = os.path.join(workdir, "checkpoints", "latest_checkpointed_iteration.txt")
     if os.path.exists(ckpt):
         out["checkpoint"] = os.path.join(workdir, "checkpoints", f"global_step_{open(ckpt).read().strip()}")
@@ -145,6 +179,10 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
     print("[summary] ---------------------------------------------", flush=True)
     print(f"[summary] steps {out['first_step']}..{out['last_step']} ({out['steps']} logged), "
           f"mean step time {out['mean_step_s']:.1f}s", flush=True)
+    t = out["time"]
+    print(f"[summary] machine     {describe(out['machine'])}", flush=True)
+    first, last = t["steps"]
+    print(f"[summary] step time   {t['step_seconds']:.1f}s (steps {first}..{last}): {_shares_line(t)}", flush=True)
     print(f"[summary] reward      first {w} steps {out['reward_start']:.3f}  ->  last {w} steps "
           f"{out['reward_end']:.3f}", flush=True)
     if "exact_start" in out:
