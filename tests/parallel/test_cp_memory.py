@@ -12,8 +12,8 @@ that mask dominate R = 1's peak and flatter the ratio.
 
 - prompt-state bytes per rank at R = 4 are within one chunk (a rank's share of one chunk's rows) of
   1/4 of R = 1's;
-- peak bytes saved for backward per rank at R = 4 are at most 0.35 x R = 1's (measured 0.32 here, 0.31
-  at P = 8192);
+- peak bytes saved for backward per rank at R = 4 are at most 0.35 x R = 1's (measured 0.33 here, 0.32 at
+  P = 8192; 2.9 before pass-Q used the blocked partial attention, see parallel/attention.py);
 - under CP, memory is flat in G: G = 2 and G = 8 peaks within 5 %.
 """
 
