@@ -302,7 +302,8 @@ def group_size_table(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Per family: peak saved MB per rank, state MB per rank and collective MB per phase against R (largest G)."""
+    """Per family, against R at the largest G: peak saved MB and state MB per rank (each P), collective MB per
+    phase (the largest P)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,10 +321,12 @@ def plot(rows: list[dict], path: str) -> None:
                 axes[i][j].plot(worlds, [r[key] / MB for _, r in points], marker="o", label=f"P={p}")
                 first_world, first = points[0]
                 axes[i][j].plot(worlds, [first[key] * first_world / MB / w for w in worlds], ls=":", color="gray")
-            for phase in PHASES:
-                total = [sum(v["bytes"] for v in r["collectives"][phase].values()) / MB for _, r in points]
-                axes[2][j].plot(worlds, total, marker="o", label=f"{phase}, P={p}")
-        titles = ("peak saved MB per rank", "prompt state MB per rank", "collective MB per group")
+        longest = max(r["P"] for r in mine)
+        points = sorted((r for r in mine if r["P"] == longest), key=lambda r: r["R"])
+        for phase in PHASES:
+            total = [sum(v["bytes"] for v in r["collectives"][phase].values()) / MB for r in points]
+            axes[2][j].plot([r["R"] for r in points], total, marker="o", label=phase)
+        titles = ("peak saved MB per rank", "prompt state MB per rank", f"collective MB per group, P={longest}")
         for i, title in enumerate(titles):
             axes[i][j].set_title(f"{family}, G={group_size}: {title}", fontsize=9)
             axes[i][j].set_xlabel("R (ranks)")
