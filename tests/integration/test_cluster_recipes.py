@@ -130,6 +130,7 @@ def test_main_job_composes_and_validates(tmp_path, strategy):
     assert cfg.algorithm.adv_estimator == "grpo" and rollout.name == "vllm" and rollout.n == 8
     assert cfg.trainer.device == "cpu" and cfg.trainer.resume_mode == "auto" and not actor.use_kl_loss
     assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    assert actor.fsdp_config.mixed_precision.param_dtype == "fp32"  # bf16 is slow on AVX2-only CPUs
     # run.sh's knobs
     wd = tmp_path / "wd"
     assert actor.strategy == cfg.actor_rollout_ref.ref.strategy == strategy and actor.optim.lr == 1e-4
