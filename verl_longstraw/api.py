@@ -313,6 +313,11 @@ def group_backward(
     stats.replay_s += watch.seconds()
 
     if exact and leaves is not None:
+        held = sum(t.numel() * t.element_size() for layer in state_grads or [] for t in layer if t is not None)
+        if state_grad_on_host:
+            stats.state_grad_host_bytes = max(stats.state_grad_host_bytes, held)
+        else:
+            stats.state_grad_device_bytes = max(stats.state_grad_device_bytes, held)
         watch = Stopwatch(device)
         backward_prompt(adapter, prompt_ids[:-1], chunks, state, state_grads, state_grad_on_host)
         stats.prompt_backward_s += watch.seconds()

@@ -37,9 +37,11 @@ from .state import LayerState, PromptState, StateSpec
 
 @dataclass
 class GroupStats:
-    """What one group cost: state size and seconds per phase."""
+    """What one group cost on this rank: bytes held (the largest over the groups recorded) and seconds per phase."""
 
     prompt_state_bytes: int = 0
+    state_grad_device_bytes: int = 0  # exact mode: float32 state-gradient sums on the device
+    state_grad_host_bytes: int = 0  # the same, kept in host memory (``state_grad_on_host``)
     capture_s: float = 0.0
     replay_s: float = 0.0
     prompt_backward_s: float = 0.0

@@ -7,7 +7,7 @@ an untied embedding, then the root):
 - bf16 mixed precision with ``cast_forward_inputs=True`` (veRL's policy): the Gated DeltaNet
   recurrent state a layer sees stays float32.
 
-FSDP2 internals are observed here through its private modules (test-only instrumentation).
+FSDP2 internals are observed through ``verl_longstraw.parallel.fsdp_probe`` (test-only instrumentation).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group_module
 
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import hybrid
 from verl_longstraw.parallel import comm
+from verl_longstraw.parallel.fsdp_probe import FsdpRecorder
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.tiny import VOCAB, tiny_model
 
@@ -33,53 +33,6 @@ def _wrap(model, mp_policy: MixedPrecisionPolicy | None = None):
     fully_shard(backbone.embed_tokens, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-class _FsdpRecorder:
-    """Counts FSDP2's collectives and the decoder layers unsharded at once (patches its param-group module)."""
-
-    def __init__(self, layer_groups: set[int]):
-        self.layer_groups = layer_groups
-        self.trace: list[tuple[str, int]] = []
-        self.max_layers_unsharded = 0
-        self._originals = {}
-
-    def __enter__(self):
-        group_class = fsdp_group_module.FSDPParamGroup
-        gather, reduce = fsdp_group_module.foreach_all_gather, fsdp_group_module.foreach_reduce
-        unshard = group_class.unshard
-        recorder = self
-
-        def all_gather(fsdp_params, *args, **kwargs):
-            recorder.trace.append(("fsdp_all_gather", sum(p.sharded_param.numel() for p in fsdp_params)))
-            return gather(fsdp_params, *args, **kwargs)
-
-        def reduce_scatter(fsdp_params, *args, **kwargs):
-            recorder.trace.append(("fsdp_reduce_scatter", sum(p.sharded_param.numel() for p in fsdp_params)))
-            return reduce(fsdp_params, *args, **kwargs)
-
-        def unshard_and_count(group, *args, **kwargs):
-            out = unshard(group, *args, **kwargs)
-            live = [g for g in recorder.all_groups if id(g) in recorder.layer_groups
-                    and (g.is_unsharded or g._all_gather_result is not None)]
-            recorder.max_layers_unsharded = max(recorder.max_layers_unsharded, len(live))
-            return out
-
-        self._originals = {"foreach_all_gather": gather, "foreach_reduce": reduce}
-        self._unshard = unshard
-        fsdp_group_module.foreach_all_gather = all_gather
-        fsdp_group_module.foreach_reduce = reduce_scatter
-        group_class.unshard = unshard_and_count
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._originals.items():
-            setattr(fsdp_group_module, name, fn)
-        fsdp_group_module.FSDPParamGroup.unshard = self._unshard
-
-
-def _param_group(module):
-    return module._get_fsdp_state()._fsdp_param_group
 
 
 def _loss(i: int, lp: torch.Tensor) -> torch.Tensor:
@@ -98,16 +51,11 @@ def _lockstep_worker(rank: int, world: int, family: str) -> dict:
     ref_lps = group_log_probs(reference, prompt, responses, chunk_size=48)
     group_backward(reference, prompt, responses, _loss, chunk_size=48)
 
-    recorder = _FsdpRecorder(set())
-    recorder.all_groups = [_param_group(layer) for layer in model.model.layers]
-    recorder.layer_groups = {id(g) for g in recorder.all_groups}
-    kept_unsharded_grad = False
-    with recorder, comm.trace_collectives() as cp_trace:
+    with FsdpRecorder(list(model.model.layers)) as recorder, comm.trace_collectives() as cp_trace:
         state = capture_prompt(model, prompt, chunk_size=48, cp_group=group)
         lps = group_log_probs(model, prompt, responses, chunk_size=48, state=state, cp_group=group)
         group_backward(model, prompt, responses, _loss, chunk_size=48, state=state, cp_group=group)
-        for g in recorder.all_groups:
-            kept_unsharded_grad |= any(p.unsharded_accumulated_grad is not None for p in g.fsdp_params)
+        kept_unsharded_grad = recorder.kept_unsharded_grad()
     # FSDP averages the ranks' partial gradients over the shard group: x world gives their sum
     grad_errors = []
     for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):

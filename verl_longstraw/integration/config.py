@@ -10,9 +10,12 @@ STRATEGY = "longstraw"
 PROMPT_GRAD_MODES = ("exact", "detached")
 
 
+KNOBS = ("prompt_grad", "chunk_size", "context_parallel_size", "state_grad_on_host", "preflight", "memory_budget_gb")
+
+
 @dataclass
 class LongStrawConfig(BaseConfig):
-    """LongStraw settings.
+    """LongStraw settings (``actor_rollout_ref.actor.longstraw.*``; the reference policy inherits them).
 
     Args:
         prompt_grad: "exact" (default) also backpropagates d(loss)/d(prompt state) through a
@@ -20,22 +23,52 @@ class LongStrawConfig(BaseConfig):
             (cheaper, biased: the prompt positions get no gradient).
         chunk_size: prompt tokens per chunk for capture and recompute; None (default) processes
             the whole prompt at once. Smaller chunks bound the prompt graph's memory.
+        context_parallel_size: R ranks that work on one GRPO group together, each holding about
+            1/R of the prompt state (``verl_longstraw.parallel``); 1 (default) gives every rank its
+            own groups. R must divide the world size and equal the FSDP shard group
+            (``fsdp_config.fsdp_size``: -1 when the world is R, else R; HSDP across the rest).
+        state_grad_on_host: keep the float32 prompt-state gradient sums (exact mode) in host
+            memory, pinned where CUDA is available, instead of on the device.
+        preflight: before the first capture of each step, compare the memory estimate of the
+            step's largest group with ``memory_budget_gb`` and fail naming the knobs that would
+            make it fit, instead of running out of memory mid-step.
+        memory_budget_gb: GiB per device the pre-flight check allows; None (default) uses the
+            device's free memory at the start of the step (host MemAvailable on CPU).
     """
 
     prompt_grad: str = "exact"
     chunk_size: Optional[int] = None
+    context_parallel_size: int = 1
+    state_grad_on_host: bool = False
+    preflight: bool = True
+    memory_budget_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
+        where = "actor_rollout_ref.actor.longstraw"
         if self.prompt_grad not in PROMPT_GRAD_MODES:
             raise ValueError(
-                f"actor_rollout_ref.actor.longstraw.prompt_grad={self.prompt_grad!r} is not supported; "
-                f"use one of {PROMPT_GRAD_MODES}."
+                f"{where}.prompt_grad={self.prompt_grad!r} is not supported; use one of {PROMPT_GRAD_MODES}."
             )
-        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or int(self.chunk_size) < 1):
+        if self.chunk_size is not None and not _positive_int(self.chunk_size):
             raise ValueError(
-                f"actor_rollout_ref.actor.longstraw.chunk_size={self.chunk_size!r} must be a positive integer "
-                "or null (whole prompt at once)."
+                f"{where}.chunk_size={self.chunk_size!r} must be a positive integer or null (whole prompt at once)."
             )
+        if not _positive_int(self.context_parallel_size):
+            raise ValueError(
+                f"{where}.context_parallel_size={self.context_parallel_size!r} must be a positive integer "
+                "(1: no context parallelism)."
+            )
+        for name in ("state_grad_on_host", "preflight"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{where}.{name}={getattr(self, name)!r} must be true or false.")
+        budget = self.memory_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+            raise ValueError(f"{where}.memory_budget_gb={budget!r} must be a positive number of GiB or null "
+                             "(the device's free memory).")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def as_longstraw_config(value: Any) -> LongStrawConfig:
@@ -44,13 +77,34 @@ def as_longstraw_config(value: Any) -> LongStrawConfig:
         return LongStrawConfig()
     if isinstance(value, LongStrawConfig):
         return value
-    unknown = sorted(set(value) - {"prompt_grad", "chunk_size", "_target_"})
+    unknown = sorted(set(value) - {*KNOBS, "_target_"})
     if unknown:
         raise ValueError(
-            f"Unknown key(s) {unknown} in actor_rollout_ref.actor.longstraw; "
-            "supported: prompt_grad (exact|detached), chunk_size (int or null)."
+            f"Unknown key(s) {unknown} in actor_rollout_ref.actor.longstraw; supported: {', '.join(KNOBS)}."
         )
-    return LongStrawConfig(prompt_grad=value.get("prompt_grad", "exact"), chunk_size=value.get("chunk_size"))
+    return LongStrawConfig(**{k: value[k] for k in KNOBS if k in value})
+
+
+def check_context_parallel(
+    cp_size: int, world_size: int, fsdp_size: int, where: str = "actor_rollout_ref.actor"
+) -> None:
+    """Refuse a context-parallel layout the engine cannot run: R ranks of a CP group must be one FSDP
+    shard group (parameters are all-gathered per layer in lockstep inside it), and R | world size."""
+    if cp_size == 1:
+        return
+    if world_size % cp_size:
+        raise ValueError(
+            f"{where}.longstraw.context_parallel_size={cp_size} does not divide the world size {world_size} "
+            "(trainer.nnodes x trainer.n_gpus_per_node); choose a divisor."
+        )
+    shard = world_size if fsdp_size < 0 or fsdp_size >= world_size else fsdp_size
+    if shard != cp_size:
+        fix = "-1 (or the world size)" if world_size == cp_size else str(cp_size)
+        raise ValueError(
+            f"{where}.longstraw.context_parallel_size={cp_size} needs the FSDP shard group to be the CP group, but "
+            f"{where}.fsdp_config.fsdp_size={fsdp_size} shards over {shard} ranks; set fsdp_size={fix} "
+            "(HSDP: shard within a CP group, replicate across groups)."
+        )
 
 
 def check_supported(cfg: Any, where: str = "actor_rollout_ref.actor") -> None:
@@ -106,4 +160,31 @@ class LongStrawActorConfig(FSDPActorConfig):
             )
         object.__setattr__(self, "longstraw", as_longstraw_config(self.longstraw))
         check_supported(self)
+        if self.longstraw.context_parallel_size > 1:
+            _check_whole_groups(self)
         object.__setattr__(self.engine, "longstraw", self.longstraw)
+
+
+def _check_whole_groups(actor: "LongStrawActorConfig") -> None:
+    """With context parallelism a micro-batch must hold whole GRPO groups (the R ranks capture one
+    group's prompt together; a split group is captured once per fragment)."""
+    cp_size = actor.longstraw.context_parallel_size
+    where = "actor_rollout_ref.actor"
+    if actor.use_dynamic_bsz:
+        raise ValueError(
+            f"{where}.use_dynamic_bsz=True with longstraw.context_parallel_size={cp_size}: dynamic batching packs "
+            "samples by tokens and splits GRPO groups; set use_dynamic_bsz=false and "
+            f"ppo_micro_batch_size_per_gpu to a multiple of rollout.n ({actor.rollout_n})."
+        )
+    mbs = actor.ppo_micro_batch_size_per_gpu
+    if mbs is not None and actor.rollout_n > 1 and mbs % actor.rollout_n:
+        raise ValueError(
+            f"{where}.ppo_micro_batch_size_per_gpu={mbs} with longstraw.context_parallel_size={cp_size}: a "
+            f"micro-batch must hold whole groups of rollout.n={actor.rollout_n} responses; set it to a multiple "
+            f"of {actor.rollout_n}."
+        )
+    if actor.shuffle:
+        raise ValueError(
+            f"{where}.shuffle=True with longstraw.context_parallel_size={cp_size}: shuffling mini-batches splits "
+            "GRPO groups; set shuffle=false."
+        )

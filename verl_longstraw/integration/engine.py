@@ -13,6 +13,18 @@ are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differ
   Each fragment's prompt is captured once per step: the log-prob pass keeps the state
   (`capture_prompt`) and the backward reuses it, so the states of one micro-batch's
   fragments are alive together between the two passes.
+
+With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
+FSDP2 sharding over the CP group (CP groups are replicas: HSDP). veRL dispatches by the data-parallel
+rank this engine reports (rank // R, like Ulysses), so the R ranks receive the same micro-batches
+and run every group together in lockstep (`verl_longstraw.parallel`): each holds 1/R of the
+prompt state, parameters stay sharded layer by layer (no `held_unsharded`), and each backward
+reduce-scatters inside the CP group. Every rank ends with a disjoint part of the group's gradient
+and FSDP averages the R parts, so the loss gradient is scaled by R (veRL's Ulysses gather does the
+same); veRL's loss already carries the data-parallel factor that the replica average divides out.
+
+Before the first capture of a step, a pre-flight check compares the estimate of the step's largest
+group (`verl_longstraw.estimate`) with `longstraw.memory_budget_gb` or the device's free memory.
 """
 
 import copy
@@ -20,7 +32,9 @@ from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
 from verl.utils.metric import AggregationType, Metric
@@ -29,10 +43,13 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
+from verl_longstraw.adapters import adapter_for
+from verl_longstraw.estimate import GIB, check_budget, estimate_memory
+from verl_longstraw.parallel import comm
 from verl_longstraw.state import PromptState
 
-from .config import STRATEGY, as_longstraw_config, check_supported, unserved_role_error
-from .fsdp2 import held_unsharded, sync_gradients
+from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
+from .fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from .regroup import Fragment, check_positions, gather_response_values, regroup, sample_uids, scatter_response_values
 
 
@@ -53,6 +70,41 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         device_id = get_device_id()
         return str(device_id) if get_device_name() == "cpu" else f"{get_device_name()}:{device_id}"
 
+    # ---- context-parallel mesh: what veRL's worker dispatches by ----
+
+    @property
+    def cp_size(self) -> int:
+        return self.longstraw.context_parallel_size
+
+    def _init_device_mesh(self):
+        """veRL's meshes; with context parallelism also the ("dp", "cp") mesh, and FSDP's mesh becomes
+        the CP group (shard inside it; CP groups are replicas, averaged by `average_over_replicas`)."""
+        super()._init_device_mesh()
+        world = dist.get_world_size()
+        check_context_parallel(self.cp_size, world, self.engine_config.fsdp_size, where="actor_rollout_ref.actor")
+        self.cp_mesh = None
+        if self.cp_size > 1:
+            self.cp_mesh = init_device_mesh(
+                get_device_name(), mesh_shape=(world // self.cp_size, self.cp_size), mesh_dim_names=("dp", "cp")
+            )
+            self.device_mesh = self.cp_mesh["cp"]
+
+    def get_data_parallel_rank(self):
+        return super().get_data_parallel_rank() if self.cp_mesh is None else self.cp_mesh["dp"].get_local_rank()
+
+    def get_data_parallel_size(self):
+        return super().get_data_parallel_size() // self.cp_size
+
+    def get_data_parallel_group(self):
+        return super().get_data_parallel_group() if self.cp_mesh is None else self.cp_mesh.get_group("dp")
+
+    def get_context_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The CP group of this rank (R consecutive ranks), None without context parallelism."""
+        return None if self.cp_mesh is None else self.cp_mesh.get_group("cp")
+
+    def is_mp_src_rank_with_outputs(self):
+        return self.cp_mesh is None or self.cp_mesh["cp"].get_local_rank() == 0
+
     def _autocast(self):
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         if dtype == torch.float32:
@@ -60,11 +112,15 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False) -> dict:
-        """Same contract as veRL's FSDP engine; gradients are reduce-scattered once per mini-batch
-        (or once per micro-batch with `use_no_sync_for_gradient_accumulation=False`).
+        """Same contract as veRL's FSDP engine.
 
-        Resets the device's peak-memory counter first, so `longstraw/peak_memory_gb` (and veRL's
-        `perf/max_memory_*` read after it) cover this call only."""
+        One group per rank: parameters are held unsharded per micro-batch and gradients are
+        reduce-scattered once per mini-batch (or once per micro-batch with
+        `use_no_sync_for_gradient_accumulation=False`). Context parallel: FSDP2's per-layer hooks
+        run as configured, each backward reduce-scatters in the CP group, and the CP groups
+        (replicas) average their gradient shards once at the end. Resets the device's peak-memory counter first, so
+        `longstraw/peak_memory_gb` (and veRL's `perf/max_memory_*` read after it) cover this call only.
+        """
         get_torch_device().reset_peak_memory_stats()
         tu.assign_non_tensor(data, sp_size=1)
         if "loss_mask" in data.keys():
@@ -78,34 +134,92 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
         )
-        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
+        fragments = [regroup(mb) for mb in micro_batches]
+        preflight = self._preflight(fragments, forward_only)
         outputs = []
-        for idx, micro_batch in enumerate(micro_batches):
-            sync = not forward_only and (idx == len(micro_batches) - 1 or not defer_sync)
-            with held_unsharded(self.module), torch.profiler.record_function(f"micro_batch{idx}"):
-                _, output = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
-                if sync:
-                    sync_gradients(self.module, self._device, getattr(self, "_autocast_dtype", torch.bfloat16))
-            outputs.append(output)
+        if self.cp_mesh is None:
+            defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+            for idx, micro_batch in enumerate(micro_batches):
+                sync = not forward_only and (idx == len(micro_batches) - 1 or not defer_sync)
+                with held_unsharded(self.module), torch.profiler.record_function(f"micro_batch{idx}"):
+                    _, output = self.forward_step(micro_batch, loss_function, forward_only, fragments[idx])
+                    if sync:
+                        sync_gradients(self.module, self._device, self._compute_dtype())
+                outputs.append(output)
+        else:
+            for idx, micro_batch in enumerate(micro_batches):
+                with torch.profiler.record_function(f"micro_batch{idx}"):
+                    outputs.append(self.forward_step(micro_batch, loss_function, forward_only, fragments[idx])[1])
+            if not forward_only and self.get_data_parallel_size() > 1:
+                average_over_replicas(self.module, self.get_data_parallel_group())
         result = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
         result["metrics"]["longstraw/groups"] = Metric(AggregationType.SUM, float(len(set(uids or []))))
+        result["metrics"]["longstraw/estimated_peak_gb"] = Metric(AggregationType.MAX, preflight / GIB)
         return result
 
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+    def _compute_dtype(self) -> torch.dtype:
+        return getattr(self, "_autocast_dtype", torch.bfloat16)
+
+    def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
+        """Estimated device bytes of this rank's largest group; with `longstraw.preflight`, MemoryError
+        naming the knobs when it exceeds `memory_budget_gb` (or the device's free memory). Runs before
+        any capture, on every rank of a CP group with the same groups, so every rank raises."""
+        adapter = adapter_for(self.module)
+        knobs = self.longstraw
+        mode = "detached" if forward_only else knobs.prompt_grad
+        largest, worst = 0, None
+        for frag in (f for mb in fragments for f in mb):
+            estimate = estimate_memory(
+                adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
+                knobs.chunk_size, mode, self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
+                state_grad_on_host=knobs.state_grad_on_host,
+            )
+            if estimate.total_bytes > largest:
+                largest, worst = estimate.total_bytes, (frag, estimate)
+        if not knobs.preflight:
+            return largest
+        message = None
+        if worst is not None:
+            budget = int(knobs.memory_budget_gb * GIB) if knobs.memory_budget_gb is not None else _free_device_bytes()
+            try:
+                check_budget(worst[1], budget)
+            except MemoryError as exc:
+                frag = worst[0]
+                source = "longstraw.memory_budget_gb" if knobs.memory_budget_gb is not None else "free device memory"
+                message = (
+                    f"LongStraw pre-flight check, before any capture: the group of a {len(frag.prompt_ids)}-token "
+                    f"prompt and {len(frag.responses)} responses (longest {max(len(r) for r in frag.responses)} "
+                    f"tokens) does not fit the budget ({source}). {exc}. The knobs are actor_rollout_ref.actor."
+                    "longstraw.{chunk_size, context_parallel_size, state_grad_on_host, prompt_grad, "
+                    "memory_budget_gb}; longstraw.preflight=false skips this check."
+                )
+        # every rank learns every verdict, so all raise together instead of some waiting in a collective
+        verdicts: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, message)
+        if message is not None:
+            raise MemoryError(message)
+        for rank, theirs in enumerate(verdicts):
+            if theirs is not None:
+                raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
+        return largest
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments=None):
         """Log-probs (and entropy) of one micro-batch, its loss, and, when training, its gradient.
 
         Returns (loss, output) like veRL's engine, but the backward has already run: the
-        returned loss is detached.
+        returned loss is detached. ``fragments``: ``regroup(micro_batch)`` when already computed.
         """
         micro_batch = micro_batch.to(get_device_id())
         self._check_request(micro_batch)
         check_positions(micro_batch)
-        fragments = regroup(micro_batch)
+        fragments = regroup(micro_batch) if fragments is None else fragments
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
         stats = GroupStats()
         states: Optional[list[PromptState]] = None if forward_only else []
-        log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
+        with comm.trace_collectives() as collectives:
+            log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
 
         offsets = micro_batch["input_ids"].offsets()
         lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(not forward_only)
@@ -127,8 +241,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         metrics = dict(metrics)
         metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(fragments)))
         if not forward_only:
-            self._backward(fragments, states, loss, lp_flat, ent_flat, micro_batch, stats)
-        metrics.update(_stats_metrics(stats))
+            with comm.trace_collectives() as backward_collectives:
+                self._backward(fragments, states, loss, lp_flat, ent_flat, micro_batch, stats)
+            collectives += backward_collectives
+        metrics.update(_stats_metrics(stats, collectives))
 
         output = {"loss": loss.detach().item(), "metrics": metrics}
         if forward_only or return_model_output:
@@ -158,11 +274,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
         chunk_size = self.longstraw.chunk_size
         for_backward = self.longstraw.prompt_grad == "exact"
+        cp_group = self.get_context_parallel_group()
         with torch.no_grad(), self._autocast():
             for frag in fragments:
                 state = None
                 if states is not None:
-                    state = capture_prompt(self.module, frag.prompt_ids, chunk_size, for_backward, stats)
+                    state = capture_prompt(self.module, frag.prompt_ids, chunk_size, for_backward, stats, cp_group)
                     states.append(state)
                 out = group_log_probs(
                     self.module,
@@ -173,6 +290,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     return_entropy=calculate_entropy,
                     stats=stats,
                     state=state,
+                    cp_group=cp_group,
                 )
                 lps, ents = out if calculate_entropy else (out, None)
                 for k, row in enumerate(frag.rows):
@@ -191,9 +309,13 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         micro_batch: TensorDict,
         stats: GroupStats,
     ) -> None:
-        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy)."""
+        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy).
+
+        Under context parallelism every rank holds the same loss and backpropagates its own part;
+        the loss is scaled by R (see the module docstring)."""
         scaler = getattr(self, "scaler", None)
         scaled = scaler.scale(loss) if scaler is not None else loss
+        scaled = scaled * self.cp_size if self.cp_size > 1 else scaled
         leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
         grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
         g_lp = gather_response_values(_zeros_if_none(grads[0], lp_flat), micro_batch)
@@ -222,6 +344,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     with_entropy=g_ent is not None,
                     stats=stats,
                     state=state,
+                    cp_group=self.get_context_parallel_group(),
+                    state_grad_on_host=self.longstraw.state_grad_on_host,
                 )
 
 
@@ -234,19 +358,35 @@ class LongStrawValueModel(BaseEngine):
         raise unserved_role_error("critic.strategy")
 
 
-def _stats_metrics(stats: GroupStats) -> dict[str, Metric]:
-    """Per-micro-batch LongStraw metrics; seconds and counts sum over micro-batches, sizes take the max.
+def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str]]) -> dict[str, Metric]:
+    """Per-micro-batch LongStraw metrics of this rank; seconds and bytes moved sum over micro-batches,
+    sizes held take the max.
 
-    `peak_memory_gb` is the device's peak allocated memory since `forward_backward_batch` started
-    (on the CPU platform: the process's peak resident set size over the same span).
+    `prompt_state_bytes` and `state_grad_*_bytes` are this rank's (1/R of a group under context
+    parallelism); `cp_collective_bytes` the tensors this rank passed to the CP collectives
+    (`verl_longstraw.parallel.comm`). `peak_memory_gb` is the device's peak allocated memory since
+    `forward_backward_batch` started (on the CPU platform: the process's peak resident set size
+    over the same span).
     """
+    moved = sum(numel * getattr(torch, dtype).itemsize for _, _, numel, dtype in collectives)
     return {
         "longstraw/prompt_state_bytes": Metric(AggregationType.MAX, float(stats.prompt_state_bytes)),
+        "longstraw/state_grad_device_bytes": Metric(AggregationType.MAX, float(stats.state_grad_device_bytes)),
+        "longstraw/state_grad_host_bytes": Metric(AggregationType.MAX, float(stats.state_grad_host_bytes)),
+        "longstraw/cp_collective_bytes": Metric(AggregationType.SUM, float(moved)),
         "longstraw/capture_seconds": Metric(AggregationType.SUM, stats.capture_s),
         "longstraw/replay_seconds": Metric(AggregationType.SUM, stats.replay_s),
         "longstraw/prompt_backward_seconds": Metric(AggregationType.SUM, stats.prompt_backward_s),
         "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
     }
+
+
+def _free_device_bytes() -> int:
+    """Bytes the step may still take on this device: free device memory plus what the caching
+    allocator holds unused (on the CPU platform: the host's available memory)."""
+    device = get_torch_device()
+    free, _ = device.mem_get_info()
+    return int(free) + max(int(device.memory_reserved()) - int(device.memory_allocated()), 0)
 
 
 def _zeros_if_none(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

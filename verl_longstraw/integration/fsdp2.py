@@ -1,11 +1,18 @@
-"""FSDP2 control for replay: hold parameters unsharded for a micro-batch, reduce gradients once.
+"""FSDP2 control for replay: how the engine keeps every rank's FSDP collectives in step.
 
 LongStraw calls the root module and each decoder layer several times per prompt group, and
-the number of groups differs between data-parallel ranks. With FSDP2's default per-call
-unshard/reshard (and a reduce-scatter per backward) the ranks would issue different numbers
-of collectives and hang. Inside `held_unsharded` every FSDP module is all-gathered once, in
-the same order on every rank; no forward/backward issues a collective. `sync_gradients` then
-reduce-scatters the accumulated gradients with one backward that every rank runs identically.
+the number of calls depends on the group (prompt length, chunks, responses).
+
+- One group per rank (context_parallel_size 1): groups differ between data-parallel ranks, so
+  with FSDP2's per-call unshard/reshard (and a reduce-scatter per backward) the ranks would
+  issue different numbers of collectives and hang. Inside `held_unsharded` every FSDP module is
+  all-gathered once, in the same order on every rank; no forward/backward issues a collective.
+  `sync_gradients` then reduce-scatters the accumulated gradients with one backward that every
+  rank runs identically.
+- Context parallel: FSDP2 shards over the CP group only, whose ranks run one group in lockstep,
+  so its per-layer all-gathers and per-backward reduce-scatters match and parameters stay
+  sharded. CP groups (data-parallel replicas) differ in call counts, so their gradient shards
+  are averaged once per step by `average_over_replicas`, outside FSDP2.
 """
 
 from contextlib import contextmanager
@@ -13,8 +20,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
 def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
@@ -113,3 +122,28 @@ def sync_gradients(root: nn.Module, device: str, autocast_dtype: torch.dtype) ->
     (logits.float().sum() * 0.0).backward()
     for m in modules:
         m.set_requires_gradient_sync(False, recurse=False)
+
+
+def average_over_replicas(root: nn.Module, group: dist.ProcessGroup) -> None:
+    """Average each parameter's local gradient shard over ``group`` (the ranks holding the same shard
+    in the other CP groups), in place, one all-reduce per parameter in registration order.
+
+    Every parameter takes part (zeros where this replica has no gradient), so the calls are the same
+    on every rank; a parameter without a gradient gets the average."""
+    replicas = dist.get_world_size(group)
+    for p in root.parameters():
+        grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.data))
+        dist.all_reduce(grad, group=group)
+        grad /= replicas
+        if p.grad is None:
+            p.grad = _as_param_like(p, grad)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_param_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local

@@ -52,8 +52,11 @@ def save_tiny_model(family: str, path: str, **overrides) -> str:
     return path
 
 
-def actor_config(strategy: str, loss_agg_mode: str, use_kl: bool, entropy_coeff: float, mbs: int, **longstraw):
-    """veRL actor config (policy loss settings + FSDP engine config, fp32, no compile)."""
+def actor_config(
+    strategy: str, loss_agg_mode: str, use_kl: bool, entropy_coeff: float, mbs: int, fsdp_size: int = -1, **longstraw
+):
+    """veRL actor config (policy loss settings + FSDP engine config, fp32, no compile); ``fsdp_size``
+    ranks per FSDP shard group (-1: all), ``longstraw`` the LongStraw knobs."""
     common = dict(
         rollout_n=1,
         ppo_mini_batch_size=1,
@@ -69,6 +72,7 @@ def actor_config(strategy: str, loss_agg_mode: str, use_kl: bool, entropy_coeff:
             mixed_precision=FP32,
             use_torch_compile=False,
             use_dynamic_bsz=False,
+            fsdp_size=fsdp_size,
         ),
     )
     if strategy == "longstraw":

@@ -17,6 +17,8 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
 
+from .config import check_context_parallel
+
 
 def group_of_key(key: str) -> str:
     """Group id of a TransferQueue sample key `{uid}_{session_id}_{turn}`."""
@@ -65,6 +67,12 @@ class LongStrawTrainerSync(PPOTrainerSync):
                 "trainer.v1.longstraw_sync is not read: the longstraw_sync mode runs veRL's sync trainer, "
                 "whose settings veRL reads from trainer.v1.sync; move them to trainer.v1.sync."
             )
+        actor = config.actor_rollout_ref.actor
+        check_context_parallel(
+            actor.get("longstraw", {}).get("context_parallel_size", 1),
+            config.trainer.nnodes * config.trainer.n_gpus_per_node,
+            actor.fsdp_config.get("fsdp_size", -1),
+        )
         super().__init__(config)
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
