@@ -143,3 +143,48 @@ def _counted(fn, calls: list):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def test_state_gradient_on_host_same_step_and_reported(engines):
+    """longstraw.state_grad_on_host: the same gradients, the state-gradient bytes reported on the host
+    instead of the device; the estimate behind the pre-flight check is reported too."""
+    import dataclasses
+
+    _, longstraw = engines("qwen3_next")
+    td = make_batch(n_groups=1, group_size=MBS, seed=8)
+    cfg = actor_config("longstraw", "token-mean", False, 0.0, MBS)
+    knobs, lr = longstraw.longstraw, longstraw.optimizer.param_groups[0]["lr"]
+    try:
+        results = []
+        for on_host in (False, True):  # lr 0: both steps start from the same parameters
+            longstraw.optimizer.param_groups[0]["lr"] = 0.0
+            longstraw.longstraw = dataclasses.replace(knobs, state_grad_on_host=on_host)
+            results.append(train_step(longstraw, td.clone(), cfg, MBS))
+    finally:
+        longstraw.longstraw = knobs
+        longstraw.optimizer.param_groups[0]["lr"] = lr
+    (on_device, _, device_metrics), (on_host, _, host_metrics) = results
+    assert rel_diff(on_host, on_device) < 1e-6
+
+    def held(metrics, where):
+        return max(metrics[f"longstraw/state_grad_{where}_bytes"].values)
+
+    assert held(device_metrics, "device") > 0 and held(device_metrics, "host") == 0
+    assert held(host_metrics, "host") == held(device_metrics, "device") and held(host_metrics, "device") == 0
+    assert max(device_metrics["longstraw/estimated_peak_gb"].values) > 0
+    assert sum(device_metrics["longstraw/cp_collective_bytes"].values) == 0  # no CP group
+
+
+def test_preflight_fails_an_oversized_step_before_any_capture(engines, monkeypatch):
+    import dataclasses
+
+    import verl_longstraw.api as api
+
+    _, longstraw = engines("qwen3")
+    captures: list[int] = []
+    monkeypatch.setattr(api, "capture", lambda *a, **k: captures.append(1))
+    monkeypatch.setattr(longstraw, "longstraw", dataclasses.replace(longstraw.longstraw, memory_budget_gb=2**-20))
+    td = make_batch(n_groups=2, group_size=4, seed=9)
+    with pytest.raises(MemoryError, match=r"pre-flight.*does not fit the budget \(longstraw.memory_budget_gb\)"):
+        train_step(longstraw, td, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS)
+    assert captures == []
