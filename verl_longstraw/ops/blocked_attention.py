@@ -16,7 +16,7 @@ blocks with an online softmax, so the largest temporary is one block of scores
 [B, Hq, N] are saved; the backward recomputes each block's probabilities from the logsumexp.
 Query heads of a group are folded into the row dimension ([B, Hk, G*N, D] with G = Hq // Hk),
 so grouped heads share their key head without repeating K/V. Arithmetic is float32 (float64
-for float64 inputs).
+for float64 inputs) in the forward and the backward alike, also under autocast.
 
 ``prefix_causal_attention_blocked`` is the single-segment op (output only, in q's dtype), with
 the signature and semantics of ``prefix_causal_attention_reference`` in
@@ -26,7 +26,8 @@ of the general op. Tests compare each with its reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,35 @@ def _block_scores(
     return scores
 
 
+def _autocast_off(method: Callable) -> Callable:
+    """An autograd Function's forward or backward run with autocast off on the device of its first tensor argument
+    (``torch.amp.custom_fwd``/``custom_bwd`` for whichever device the op runs on)."""
+
+    @functools.wraps(method)
+    def run(ctx: torch.autograd.function.FunctionCtx, first: torch.Tensor, *rest: object) -> object:
+        with torch.autocast(first.device.type, enabled=False):
+            return method(ctx, first, *rest)
+
+    return run
+
+
+def _empty_if(needed: bool, like: torch.Tensor) -> torch.Tensor | None:
+    """An uninitialised gradient buffer shaped and typed like ``like`` where a gradient is needed, else None."""
+    return torch.empty_like(like) if needed else None
+
+
 class _PartialAttentionBlocked(torch.autograd.Function):
     """Autograd function behind ``partial_attention_blocked``: outputs (out, logsumexp); backward takes both
-    gradients."""
+    gradients.
+
+    Both passes compute in ``compute_dtype`` of q's dtype with autocast off (the forward would otherwise
+    score in the autocast dtype and the backward, which runs outside autocast, recompute the probabilities
+    in float32 from a logsumexp that does not match them). The backward writes each key block's dK/dV into
+    gradients allocated once per input (no per-block lists), and skips the inputs that need none.
+    """
 
     @staticmethod
+    @_autocast_off
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         q: torch.Tensor,
@@ -150,6 +175,7 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         return out, logsumexp
 
     @staticmethod
+    @_autocast_off
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, grad_logsumexp: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -157,47 +183,39 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         batch, q_heads, rows, _ = q.shape
         kv_heads, own_len = k_self.shape[1], k_self.shape[-2]
         groups = q_heads // kv_heads
-        dtype = logsumexp.dtype
+        dtype = logsumexp.dtype  # the forward's compute dtype
         folded = (batch, kv_heads, groups * rows, -1)
+        keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
+        # one gradient per K/V input that needs one, in its dtype; key block [start, end) writes rows start:end
+        needs = dict(zip(("q", "k_prefix", "v_prefix", "k_self", "v_self"), ctx.needs_input_grad, strict=False))
+        grad_k = {False: _empty_if(needs["k_prefix"], k_prefix), True: _empty_if(needs["k_self"], k_self)}
+        grad_v = {False: _empty_if(needs["v_prefix"], v_prefix), True: _empty_if(needs["v_self"], v_self)}
         q_scaled = q.to(dtype).reshape(folded) * ctx.scale
         grad_out = grad_out.to(dtype).reshape(folded)
         # d(score) = p * (dO.v - delta) with delta = rowsum(dO * O) - d(logsumexp), since d(logsumexp)/d(score) = p
-        delta = (grad_out * out.to(dtype).reshape(folded)).sum(dim=-1, keepdim=True) - grad_logsumexp.reshape(folded)
+        delta = (grad_out * out.to(dtype).reshape(folded)).sum(dim=-1, keepdim=True)
+        delta = delta - grad_logsumexp.to(dtype).reshape(folded)
         # rows that saw no key have only -inf scores: any finite shift gives p = 0 there instead of NaN
         shift = logsumexp.masked_fill(logsumexp == float("-inf"), 0.0).reshape(folded)
-        keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
-
-        grad_q_scaled = torch.zeros_like(q_scaled)
-        grad_k: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        grad_v: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        grad_q_scaled = torch.zeros_like(q_scaled) if needs["q"] else None
         for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, ctx.block_size):
             k_block = keys[is_own][..., start:end, :].to(dtype)
-            v_block = values[is_own][..., start:end, :].to(dtype)
             scores = _block_scores(
                 q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, ctx.own_keys, key_mask
             )
             probs = (scores - shift).exp()
-            grad_v[is_own].append(probs.transpose(-1, -2) @ grad_out)
+            if grad_v[is_own] is not None:
+                grad_v[is_own][..., start:end, :] = probs.transpose(-1, -2) @ grad_out
+            if grad_q_scaled is None and grad_k[is_own] is None:
+                continue
+            v_block = values[is_own][..., start:end, :].to(dtype)
             grad_scores = probs * (grad_out @ v_block.transpose(-1, -2) - delta)
-            grad_q_scaled = grad_q_scaled + grad_scores @ k_block
-            grad_k[is_own].append(grad_scores.transpose(-1, -2) @ q_scaled)
-
-        def gathered(blocks: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-            return torch.cat(blocks, dim=-2).to(like.dtype) if blocks else torch.zeros_like(like)
-
-        grad_q = (grad_q_scaled * ctx.scale).reshape(q.shape).to(q.dtype)
-        return (
-            grad_q,
-            gathered(grad_k[False], k_prefix),
-            gathered(grad_v[False], v_prefix),
-            gathered(grad_k[True], k_self),
-            gathered(grad_v[True], v_self),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            if grad_q_scaled is not None:
+                grad_q_scaled += grad_scores @ k_block
+            if grad_k[is_own] is not None:
+                grad_k[is_own][..., start:end, :] = grad_scores.transpose(-1, -2) @ q_scaled
+        grad_q = (grad_q_scaled * ctx.scale).reshape(q.shape).to(q.dtype) if grad_q_scaled is not None else None
+        return grad_q, grad_k[False], grad_v[False], grad_k[True], grad_v[True], None, None, None, None, None
 
 
 def check_key_mask(key_mask: torch.Tensor | None, rows: int, keys: int) -> None:
