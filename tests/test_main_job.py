@@ -330,9 +330,9 @@ def test_e2e_two_steps_then_resume(prepared, tmp_path):
 
 
 # Two trainer ranks (Ray's logical GPUs on the CPU platform) forming one CP group; fsdp_size stays -1 (the
-# world is the CP group); two vLLM-CPU rollout replicas (TP 1). `++`: the shipped config may not declare the knob.
+# world is the CP group); two vLLM-CPU rollout replicas (TP 1).
 CP2_OVERRIDES = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2",
-                 "++actor_rollout_ref.actor.longstraw.context_parallel_size=2")
+                 "actor_rollout_ref.actor.longstraw.context_parallel_size=2")
 
 
 @E2E
