@@ -298,11 +298,80 @@ def backward_prompt(
                     grad_layer[j][..., :start, :] += leaf.grad.to(grad_layer[j].device)
 
 
-def score(
+SCORE_CHUNK_BYTES = 64 * 2**20  # float32 logits of one row chunk in ``score`` (64 rows of a 248K vocabulary)
+
+
+def score_reference(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] (float32) of ``targets`` under ``logits`` [T, vocab] / temperature; optionally the entropy [T]."""
+    """Plain ``score``: float32 log-softmax of all rows at once, differentiated by autograd (which saves
+    [T, vocab] float32 tensors: the log-softmax and, for the entropy, its exp)."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_log_probs = log_probs.gather(-1, targets[:, None])[:, 0]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
     return token_log_probs, entropy
+
+
+class _ChunkedScore(torch.autograd.Function):
+    """Autograd function behind ``score``: (log-probs [T], entropy [T] or [0]) from ``logits`` [T, vocab], a row
+    chunk at a time; saves ``logits`` and ``targets`` only and recomputes each chunk's log-softmax in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        chunk_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        token_log_probs = logits.new_empty(len(logits), dtype=torch.float32)
+        entropy = token_log_probs.new_empty(len(logits) if with_entropy else 0)
+        for start in range(0, len(logits), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            log_probs = torch.log_softmax(logits[rows].float() / temperature, dim=-1)
+            token_log_probs[rows] = log_probs.gather(-1, targets[rows, None])[:, 0]
+            if with_entropy:
+                entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return token_log_probs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        logits, targets = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, len(logits), ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            log_probs = torch.log_softmax(logits[rows].float() / ctx.temperature, dim=-1)
+            probs = log_probs.exp()
+            # d(log p_target)/dx = onehot - p; d(entropy)/dx = -p * (log p + entropy), x = logits / temperature
+            grad = grad_log_probs[rows, None]
+            if grad_entropy is not None and grad_entropy.numel():
+                entropy = -(probs * log_probs).sum(-1, keepdim=True)
+                grad = grad + grad_entropy[rows, None] * (log_probs + entropy)
+            grad = probs.mul_(-grad).scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
+            grad_logits[rows] = grad.div_(ctx.temperature)
+        return grad_logits, None, None, None, None
+
+
+def score(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [T] (float32) of ``targets`` [T] under ``logits`` [T, vocab] / temperature; optionally the entropy [T].
+
+    Float32 a row chunk at a time (``chunk_rows`` rows, default: ``SCORE_CHUNK_BYTES`` of float32 logits), in
+    forward and backward: the graph saves ``logits`` (in their dtype) and ``targets``, never a float32 copy,
+    log-softmax or exp of all rows. Values as ``score_reference``. The LM head stays outside (the logits come in).
+    """
+    chunk_rows = chunk_rows or max(1, SCORE_CHUNK_BYTES // (4 * logits.shape[-1]))
+    token_log_probs, entropy = _ChunkedScore.apply(logits, targets, temperature, with_entropy, chunk_rows)
+    return token_log_probs, entropy if with_entropy else None
