@@ -31,6 +31,7 @@ term; it does not grow with P). ``check_budget`` turns the estimate into an earl
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -212,30 +213,63 @@ class _Shapes:
             return c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
         return c.num_attention_heads, self.head_dim, self.head_dim
 
-    def pass_q_saved(self, queries: int, last_layer_stops: bool) -> int:
+    def pass_q_saved(self, queries: int, last_layer_stops: bool, layers: Collection[int] | None = None) -> int:
         """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
-        ranks, summed over the attention layers: the queries (model dtype), the partial outputs, and the
-        log-sum-exps: this rank's, the R gathered ones, their merge and each rank's weight. 0 in one process."""
+        ranks, summed over the attention layers (those in ``layers``; None: all): the queries (model dtype),
+        the partial outputs, and the log-sum-exps: this rank's, the R gathered ones, their merge and each
+        rank's weight. 0 in one process."""
         if self.cp_size == 1:
             return 0
         total = 0
-        layers = self.kinds[:-1] if last_layer_stops else self.kinds
-        for kind in layers:
-            if kind == "linear":
+        kinds = self.kinds[:-1] if last_layer_stops else self.kinds
+        for idx, kind in enumerate(kinds):
+            if kind == "linear" or (layers is not None and idx not in layers):
                 continue
             heads, dim, v_dim = self.attention_dims(kind)
             total += queries * heads * (dim * self.act + (v_dim + self.cp_size + 3) * self.compute)
         return total
 
+    def saved(
+        self,
+        tokens: int,
+        queries: int,
+        prefix: int,
+        state_len: int,
+        last_layer_stops: bool,
+        consecutive: bool,
+        checkpointed: bool,
+    ) -> tuple[int, int]:
+        """(saved bytes, of which pass-Q) of a segment of ``tokens`` on this rank, ``queries`` gathered from all
+        ranks (see ``segment_saved``). ``checkpointed``: every layer keeps only its input hidden state and the
+        backward recomputes one layer at a time, so the segment holds the inputs plus the largest layer's saves."""
+        if not checkpointed:
+            pass_q = self.pass_q_saved(queries, last_layer_stops)
+            return pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive), pass_q
+        largest = (0, 0)
+        for idx in range(len(self.kinds)):
+            pass_q = self.pass_q_saved(queries, last_layer_stops, {idx})
+            one = pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive, {idx})
+            largest = max(largest, (one, pass_q))
+        inputs = len(self.kinds) * tokens * self.config.hidden_size * self.act
+        return inputs + largest[0], largest[1]
+
     def segment_saved(
-        self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool, consecutive: bool
+        self,
+        tokens: int,
+        prefix: int,
+        state_len: int,
+        last_layer_stops: bool,
+        consecutive: bool,
+        layers: Collection[int] | None = None,
     ) -> int:
         """Saved bytes of one segment of ``tokens`` (on this rank) after ``prefix`` state rows (buffers of
         ``state_len`` rows), pass-Q excluded; ``consecutive``: the ranks' tokens continue one another (a prompt
-        chunk under CP)."""
+        chunk under CP). ``layers``: count only these layers (None: all)."""
         total = 0.0
         masks: set[int] = set()
         for idx, kind in enumerate(self.kinds):
+            if layers is not None and idx not in layers:
+                continue
             row_bytes = self.attended_row_bytes[idx]
             if last_layer_stops and idx == len(self.kinds) - 1:  # only its norm and state projections run
                 total += tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
@@ -292,6 +326,56 @@ def estimate_memory(
     ``specs``: the model's per-layer state layout (``adapter.specs()``) when a model is at hand;
     None builds it from ``config`` (``state_specs``).
     """
+    return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
+                     state_grad_on_host, rank, checkpointed=False)
+
+
+def estimate_checkpointed(
+    config,
+    prompt_len: int,
+    group_size: int,
+    response_len: int,
+    chunk_size: int | None = None,
+    prompt_grad: str = "exact",
+    dtype: torch.dtype = torch.bfloat16,
+    specs: list[tuple[StateSpec, ...]] | None = None,
+    cp_size: int = 1,
+    state_grad_on_host: bool = False,
+    rank: int = 0,
+) -> MemoryEstimate:
+    """``estimate_memory`` (same arguments, bytes) with per-decoder-layer activation checkpointing, which veRL
+    turns on with ``actor_rollout_ref.model.enable_gradient_checkpointing`` (non-reentrant) and the adapters
+    honour in replay and prompt recompute (``adapters.base.call_as``).
+
+    Only the saved-for-backward terms change: a segment (a replayed response, a recomputed chunk) keeps
+    each layer's input hidden state (tokens x hidden x dtype bytes per layer) and its backward recomputes
+    one layer at a time, so the peak adds the largest single layer's saves as ``estimate_memory`` counts
+    them (pass-Q's gathered queries included). The lm_head's logits are outside the layers and unchanged.
+    Not calibrated: ``SavedTensorMeter`` cannot see inside a checkpointed layer (checkpointing installs its
+    own saved-tensor hooks) and no GPU measurement of it exists yet; the per-layer figures it reuses are
+    ``estimate_memory``'s (calibrated without checkpointing). Like ``estimate_memory`` it leaves out a layer's
+    forward/backward transients, a larger share when one layer's saves are held: a one-off CPU count of every
+    live storage (tiny float32 models of 8 layers, exact, chunked) peaked at 1.2x (qwen3) to 2.9x (qwen3_5)
+    this estimate's total, and at 1.0-1.4x ``estimate_memory``'s without checkpointing.
+    """
+    return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
+                     state_grad_on_host, rank, checkpointed=True)
+
+
+def _estimate(
+    config,
+    prompt_len: int,
+    group_size: int,
+    response_len: int,
+    chunk_size: int | None,
+    prompt_grad: str,
+    dtype: torch.dtype,
+    specs: list[tuple[StateSpec, ...]] | None,
+    cp_size: int,
+    state_grad_on_host: bool,
+    rank: int,
+    checkpointed: bool,
+) -> MemoryEstimate:
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -315,18 +399,18 @@ def estimate_memory(
 
     real = min(group_size, cp_size)  # the first round: a response on each of min(G, R) ranks, 1-token dummies after
     replay_queries = real * response_len + (cp_size - real)
-    replay_pass_q = shapes.pass_q_saved(replay_queries, last_layer_stops=False)
-    replay = shapes.segment_saved(response_len, rows, rows, last_layer_stops=False, consecutive=False)
-    replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4)) + replay_pass_q
+    replay, replay_pass_q = shapes.saved(
+        response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed
+    )
+    replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
     backward = backward_pass_q = 0
     if exact and chunks:
         # the last chunk has the longest prefix; when it is short, the one before is larger
         for k in range(max(chunks - 2, 0), chunks):
             start, end = layout.chunks[k]
-            pass_q = shapes.pass_q_saved(end - start, last_layer_stops=True)
-            saved = pass_q + shapes.segment_saved(
-                layout.slice_sizes(k)[rank], layout.rows_before(k, rank), rows, last_layer_stops=True,
-                consecutive=True,
+            saved, pass_q = shapes.saved(
+                layout.slice_sizes(k)[rank], end - start, layout.rows_before(k, rank), rows, last_layer_stops=True,
+                consecutive=True, checkpointed=checkpointed,
             )
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
@@ -379,3 +463,149 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
         f"pass-Q {gib(e.pass_q_bytes)}). To fit: " + "; ".join(knobs) + "; or shorten the prompt"
     )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
+    (``verl.utils.fsdp_utils.apply_fsdp2``), in the order a forward runs them: the input embedding, each
+    decoder layer, the lm_head (embedding and lm_head are units only when untied); ``root``: the rest
+    (e.g. the final norm), sharded with the root module."""
+
+    units: tuple[int, ...]
+    root: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.units) + self.root
+
+    @property
+    def largest_pair(self) -> int:
+        """The most parameters of two consecutive units: FSDP2 unsharding the running unit and the next."""
+        return max((a + b for a, b in zip(self.units[:-1], self.units[1:], strict=True)), default=sum(self.units))
+
+
+def parameter_counts(config) -> ParameterCounts:
+    """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is not None and head.weight is not embed.weight
+    modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
+    units = tuple(sum(p.numel() for p in m.parameters()) for m in modules)
+    return ParameterCounts(units, sum(p.numel() for p in model.parameters()) - sum(units))
+
+
+@dataclass(frozen=True)
+class Training:
+    """What one training step runs on each rank (a recipe's knobs): GRPO groups of ``group_size`` responses of
+    at most ``response_len`` tokens to a ``prompt_len``-token prompt; LongStraw's ``chunk_size``,
+    ``prompt_grad``, ``cp_size`` (context_parallel_size R = the FSDP shard group) and ``state_grad_on_host``;
+    veRL's FSDP2 settings: ``offload_policy`` (fp32 parameter and gradient shards and the optimizer step on
+    the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
+    ``reduce_dtype``, and ``checkpointing`` (``enable_gradient_checkpointing``)."""
+
+    prompt_len: int
+    group_size: int
+    response_len: int
+    chunk_size: int | None
+    prompt_grad: str
+    cp_size: int
+    state_grad_on_host: bool
+    offload_policy: bool
+    optimizer_offload: bool
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    checkpointing: bool = True
+
+
+@dataclass(frozen=True)
+class GpuTable:
+    """Per-GPU memory of one training step on rank 0 of a CP group (the rank with the most rows), in bytes:
+    ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
+    ``preflight`` what the engine's pre-flight check estimates for the group (``estimate_memory``)."""
+
+    rows: tuple[tuple[str, int, int], ...]
+    peak: int
+    host: int
+    preflight: int
+    gpu_bytes: int
+    gpus_per_node: int
+
+    def markdown(self) -> str:
+        """The rows as a markdown table in GiB (2 decimals), with the totals against the GPU's memory."""
+
+        def gib(n: int) -> str:
+            return f"{n / GIB:.2f}"
+
+        lines = ["| per GPU | device GiB | host GiB |", "|---|---:|---:|"]
+        lines += [f"| {item} | {gib(device)} | {gib(host)} |" for item, device, host in self.rows]
+        verdict = "fits" if self.peak <= self.gpu_bytes else "does NOT fit"
+        lines.append(f"| **total at the peak** (the larger saved-for-backward row) | **{gib(self.peak)}** | "
+                     f"**{gib(self.host)}** |")
+        lines.append(f"| GPU memory ({self.gpu_bytes / 1e9:g} GB): {verdict}, "
+                     f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
+                     f" | {gib(self.gpu_bytes)} | |")
+        lines.append(f"| host memory per node ({self.gpus_per_node} ranks) | | {gib(self.host * self.gpus_per_node)} |")
+        lines.append(f"| engine pre-flight estimate of the group (`estimate_memory`: no checkpointing credit, no "
+                     f"model terms) | {gib(self.preflight)} | |")
+        return "\n".join(lines)
+
+
+def gpu_table(
+    config,
+    run: Training,
+    gpu_bytes: int,
+    gpus_per_node: int = 8,
+    specs: list[tuple[StateSpec, ...]] | None = None,
+    params: ParameterCounts | None = None,
+) -> GpuTable:
+    """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2
+    sharding over the R ranks of a CP group (``parameter_counts``) and the group terms of ``estimate_checkpointed``
+    (``estimate_memory`` without ``run.checkpointing``). ``specs``/``params``: ``state_specs(config)`` and
+    ``parameter_counts(config)`` when already built. The unsharded-gradient row is an upper bound (two units'
+    gradients and their reduce-scatter copies at once). Not counted: the CUDA context, NCCL buffers,
+    allocator fragmentation and the no-grad capture's transients."""
+    specs = specs if specs is not None else state_specs(config)
+    n, r = params if params is not None else parameter_counts(config), run.cp_size
+    fp32_shard = 4 * n.total // r
+    pair = n.largest_pair
+    unsharded = pair * run.param_dtype.itemsize
+    reduce_copy = run.reduce_dtype.itemsize if run.reduce_dtype != run.param_dtype else 0
+    grads = pair * (run.param_dtype.itemsize + reduce_copy)
+    estimate_fn = estimate_checkpointed if run.checkpointing else estimate_memory
+    args = (config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
+            run.param_dtype, specs, r, run.state_grad_on_host)
+    e = estimate_fn(*args)
+    preflight = estimate_memory(*args).total_bytes
+
+    def where(on_host: bool, nbytes: int) -> tuple[int, int]:
+        return (0, nbytes) if on_host else (nbytes, 0)
+
+    replay_peak = e.replay_saved_bytes >= e.prompt_backward_saved_bytes
+    mode = "checkpointed" if run.checkpointing else "no checkpointing"
+    rows = (
+        (f"fp32 parameter shards: 4 B x N / R (N = {n.total / 1e9:.2f}e9 parameters, R = {r})",
+         *where(run.offload_policy, fp32_shard)),
+        ("fp32 gradient shards: 4 B x N / R", *where(run.offload_policy, fp32_shard)),
+        ("AdamW moments: 8 B x N / R", *where(run.offload_policy or run.optimizer_offload, 2 * fp32_shard)),
+        ("reference model shards: 2 B x N / R (veRL keeps forward-only models on the host)", 0, 2 * n.total // r),
+        (f"unsharded parameters: two consecutive FSDP units ({pair / 1e9:.2f}e9 parameters) in "
+         f"{str(run.param_dtype)[6:]}", unsharded, 0),
+        (f"their unsharded gradients ({str(run.param_dtype)[6:]}, reduce-scattered in {str(run.reduce_dtype)[6:]})",
+         grads, 0),
+        (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
+         f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),
+        ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
+         e.device_state_grad_bytes, e.host_bytes),
+        ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
+        (f"saved for backward, replay of one {run.response_len}-token response ({mode}; pass-Q "
+         f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
+         e.replay_saved_bytes, 0),
+        (f"saved for backward, recompute of one {run.chunk_size}-token prompt chunk ({mode}; pass-Q "
+         f"{0 if replay_peak else e.pass_q_bytes / GIB:.2f})" + ("" if replay_peak else " <- peak"),
+         e.prompt_backward_saved_bytes, 0),
+    )
+    peak = sum(device for _, device, _ in rows[:-2]) + e.saved_peak_bytes
+    host = sum(h for _, _, h in rows)
+    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node)
