@@ -1,13 +1,17 @@
 """Recipe overlays (configs/recipe/*.yaml): each composes through Hydra the way its launcher applies it,
 passes veRL's validate_config with its own GPU counts, converts to veRL's dataclasses and comments every knob.
 
-- the cluster recipes (recipes/clusters/<name>/launch.sh) on the shipped longstraw_grpo config; their
-  launch scripts parse (`bash -n`) and apply the same overlay. Composed and validated, never run (no GPU
-  cluster); validate_config reads no model files, so the model path is a placeholder.
+- the cluster recipes (recipes/clusters/<folder>/launch.sh) on the shipped longstraw_grpo config, with the
+  engine's context-parallel layout check for their GPU counts; their launch scripts parse (`bash -n`) and, run
+  dry with a stand-in interpreter, compose to the same overlay and node count. Composed and validated, never
+  run (no GPU cluster); validate_config reads no model files, so the model path is a placeholder.
+- the per-GPU memory tables in recipes/clusters/*/README.md: each block is recomputed from
+  verl_longstraw.estimate (recipes/clusters/memory_table.py) and must match the README text exactly.
 - the CPU main job (recipes/kv_retrieval/run.sh), composed from the exact command line the script runs
   (its DRY_RUN mode), for both strategies: longstraw on longstraw_grpo, fsdp2 on veRL's ppo_trainer.
 """
 
+import importlib.util
 import os
 import re
 import shlex
@@ -23,14 +27,15 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_longstraw.configs import config_dir
-from verl_longstraw.integration.config import LongStrawActorConfig
+from verl_longstraw.integration.config import LongStrawActorConfig, check_context_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTERS = REPO / "recipes" / "clusters"
 CLUSTER_RECIPES = {
-    # name: (nnodes, prompt tokens, response tokens, prompt_grad)
-    "qwen35_27b_1m": (1, 1048576, 8192, "detached"),
-    "glm5_mla_multinode": (16, 262144, 8192, "exact"),
+    # name: (folder under recipes/clusters, nnodes, prompt tokens, response tokens, context_parallel_size, fsdp_size)
+    "qwen35_27b_1m": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),
+    "qwen35_27b_4m": ("qwen35_27b_1m", 2, 17 * 2**18, 8192, 16, -1),  # the 4.46M-position stress variant
+    "glm5_mla_multinode": ("glm5_mla_multinode", 4, 2**21, 8192, 8, 8),
 }
 
 
@@ -55,7 +60,7 @@ def test_every_overlay_is_tested():
 
 @pytest.mark.parametrize("name", sorted(CLUSTER_RECIPES))
 def test_cluster_recipe_composes_and_validates(name):
-    nnodes, prompt, response, prompt_grad = CLUSTER_RECIPES[name]
+    _, nnodes, prompt, response, cp_size, fsdp_size = CLUSTER_RECIPES[name]
     cfg = _compose([f"+recipe={name}", "actor_rollout_ref.model.path=/placeholder/model"], str(config_dir()))
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     assert actor.strategy == "longstraw" and cfg.actor_rollout_ref.ref.strategy == "longstraw"
@@ -63,22 +68,32 @@ def test_cluster_recipe_composes_and_validates(name):
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (nnodes, 8)
     assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (prompt, response)
     assert rollout.max_model_len == prompt + response
-    assert actor.longstraw.prompt_grad == prompt_grad and actor.longstraw.chunk_size == response
-    # one whole GRPO group per micro-batch and exactly one group per GPU per step
-    n, n_gpus = rollout.n, nnodes * 8
-    assert actor.ppo_micro_batch_size_per_gpu == n
+    knobs = actor.longstraw
+    assert (knobs.prompt_grad, knobs.context_parallel_size, knobs.state_grad_on_host) == ("exact", cp_size, True)
+    assert prompt % knobs.chunk_size == 0 and knobs.chunk_size % cp_size == 0  # whole chunks, equal slices
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing  # the README tables count it
+    # context parallelism: the FSDP shard group is the CP group (actor and the reference policy, which
+    # inherits the knobs), whole GRPO groups per micro-batch, and whole CP groups' worth of groups per step
+    n, world = rollout.n, nnodes * 8
+    assert cfg.actor_rollout_ref.ref.longstraw.context_parallel_size == cp_size
+    for role in (actor, cfg.actor_rollout_ref.ref):
+        assert role.fsdp_config.fsdp_size == fsdp_size
+        check_context_parallel(cp_size, world, role.fsdp_config.fsdp_size)
+    assert actor.ppo_micro_batch_size_per_gpu == n and not actor.use_dynamic_bsz and not actor.shuffle
     assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == n
     assert rollout.log_prob_micro_batch_size_per_gpu == n
-    assert cfg.data.train_batch_size * n == n_gpus * n
+    assert cfg.data.train_batch_size % (world // cp_size) == 0
     assert actor.ppo_max_token_len_per_gpu == n * (prompt + response)
 
     _validate(cfg)
 
     actor_dc = omega_conf_to_dataclass(actor)
     assert isinstance(actor_dc, LongStrawActorConfig)
-    assert actor_dc.engine.longstraw.prompt_grad == prompt_grad
-    assert actor_dc.engine.longstraw.chunk_size == response
-    assert actor_dc.engine.offload_policy and actor_dc.engine.mixed_precision["reduce_dtype"] == "bf16"
+    assert actor_dc.engine.longstraw == actor_dc.longstraw
+    assert actor_dc.longstraw.context_parallel_size == cp_size and actor_dc.longstraw.state_grad_on_host
+    assert actor_dc.longstraw.chunk_size == knobs.chunk_size and actor_dc.longstraw.prompt_grad == "exact"
+    assert not actor_dc.longstraw.preflight and actor_dc.longstraw.memory_budget_gb is None  # see the READMEs
+    assert actor_dc.engine.offload_policy and actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
     rollout_dc = omega_conf_to_dataclass(rollout)
     assert rollout_dc.prompt_length == prompt and rollout_dc.response_length == response
 
@@ -91,7 +106,7 @@ def test_cluster_recipe_composes_and_validates(name):
         ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
         ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
     ref_dc = omega_conf_to_dataclass(ref)
-    assert isinstance(ref_dc, LongStrawActorConfig) and ref_dc.longstraw.prompt_grad == prompt_grad
+    assert isinstance(ref_dc, LongStrawActorConfig) and ref_dc.longstraw == actor_dc.longstraw
 
 
 def _main_job_command(tmp_path: Path, strategy: str) -> list[str]:
@@ -164,10 +179,71 @@ def test_every_overlay_knob_is_commented(name):
 
 
 @pytest.mark.parametrize("name", sorted(CLUSTER_RECIPES))
-def test_launch_script_parses_and_applies_the_recipe(name):
-    script = CLUSTERS / name / "launch.sh"
+def test_launch_script_parses_and_applies_the_recipe(tmp_path, name):
+    """launch.sh parses, and its dry run (LONGSTRAW_DRY_RUN=1, a stand-in interpreter that records the trainer's
+    arguments) composes to this recipe with its node count."""
+    folder, nnodes, prompt, *_ = CLUSTER_RECIPES[name]
+    script = CLUSTERS / folder / "launch.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert '--config-path "$("$PYTHON" -m verl_longstraw.configs)" --config-name longstraw_grpo' in text
-    assert f"+recipe={name}" in text and "ray start" in text
-    assert (CLUSTERS / name / "README.md").is_file()
+    assert "ray start" in text and (CLUSTERS / folder / "README.md").is_file()
+
+    args_file = tmp_path / "main_ppo_args"
+    python = tmp_path / "python"
+    python.write_text(f"""#!/usr/bin/env bash
+if [[ "$1 $2" == "-m verl_longstraw.configs" ]]; then echo {shlex.quote(str(config_dir()))}; exit; fi
+[[ "$1 $2" == "-m verl.trainer.main_ppo" ]] && shift 2 && printf '%s\\n' "$@" > {shlex.quote(str(args_file))}
+""")
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), LONGSTRAW_DRY_RUN="1", ROLE="head", RECIPE=name,
+               MODEL_PATH="/placeholder/model", TRAIN_FILES="/placeholder/train.parquet")
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=60, capture_output=True)
+    args = args_file.read_text().splitlines()
+    assert f"+recipe={name}" in args and ["--cfg", "job"] == args[-2:]
+    cfg = _compose_command(args[:-2])
+    assert (cfg.trainer.nnodes, cfg.data.max_prompt_length) == (nnodes, prompt)
+
+
+def _memory_table():
+    """recipes/clusters/memory_table.py as a module (recipes/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("memory_table", CLUSTERS / "memory_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_memory_tables_match_the_estimate():
+    """Every table block in recipes/clusters/*/README.md is what memory_table.py prints now (from
+    verl_longstraw.estimate), character for character; every cluster recipe has its table."""
+    memory_table = _memory_table()
+    assert set(memory_table.MODELS) == set(memory_table.GPU_BYTES) == set(memory_table.SWEEPS) == set(CLUSTER_RECIPES)
+    tabled = set()
+    for readme in sorted(CLUSTERS.glob("*/README.md")):
+        text = readme.read_text()
+        for block in memory_table.BLOCK.finditer(text):
+            expected = memory_table.rendered(block["args"]) + "\n"
+            assert block["body"] == expected, (
+                f"{readme.relative_to(REPO)}: the block of `memory_table.py {block['args']}` is stale; run "
+                "`python recipes/clusters/memory_table.py --write`"
+            )
+            tabled.add(block["args"])
+        assert memory_table.rewrite(text) == text
+    assert tabled == {f"{flag}{name}" for name in CLUSTER_RECIPES for flag in ("", "--sweep ")}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_counts_are_verls_fsdp2_units(tied):
+    """estimate.parameter_counts (the tables' model rows) counts the units veRL's FSDP2 wrapping selects, in
+    forward order, and the rest as the root's."""
+    from verl.utils.fsdp_utils import _select_fsdp2_wrap_targets
+
+    from verl_longstraw.estimate import parameter_counts
+    from verl_longstraw.tiny import tiny_model
+
+    model = tiny_model("qwen3_5", tie_word_embeddings=tied)
+    units = _select_fsdp2_wrap_targets(model, model._no_split_modules)
+    counts = parameter_counts(model.config)
+    assert counts.units == tuple(sum(p.numel() for p in m.parameters()) for m in units)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert len(counts.units) == model.config.num_hidden_layers + (0 if tied else 2)

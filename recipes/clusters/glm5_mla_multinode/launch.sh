@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# GRPO with strategy=longstraw on NNODES x 8 GPUs with Ray: GLM-5-class MLA MoE model.
-# Composed and validated (tests/integration/test_cluster_recipes.py), NOT run; see README.md:
-# the current engine holds all parameters unsharded per GPU, so this cannot run yet.
+# GRPO with strategy=longstraw on NNODES x 8 GPUs with Ray: GLM-5-class MLA MoE model, 2^21-token
+# prompts, exact, one 8-rank context-parallel group per node (4 nodes: 4 data-parallel replicas).
+# Composed and validated (tests/integration/test_cluster_recipes.py), NOT run, and it does NOT fit:
+# FSDP2 alone (no expert parallelism) puts 1/8 of all 744B parameters on every rank; see README.md.
 #
-# On every worker node:   ROLE=worker HEAD_IP=10.0.0.1 bash launch.sh
-# On the head node:       ROLE=head MODEL_PATH=... TRAIN_FILES=... bash launch.sh [overrides...]
+# On every worker node (3):  ROLE=worker HEAD_IP=10.0.0.1 bash launch.sh
+# On the head node:          ROLE=head MODEL_PATH=... TRAIN_FILES=... bash launch.sh [overrides...]
 # The head waits until NNODES x 8 GPUs have joined, then runs the trainer on the Ray cluster.
 # LONGSTRAW_DRY_RUN=1 (head) prints the composed config without Ray or GPUs.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
 ROLE="${ROLE:-head}"
-NNODES="${NNODES:-16}"
+NNODES="${NNODES:-4}"  # the overlay's rollout DP 4 / EP 32 assume 4 nodes (one CP group each)
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 RAY_PORT="${RAY_PORT:-6379}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

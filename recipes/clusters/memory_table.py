@@ -1,0 +1,179 @@
+"""Per-GPU memory tables of the cluster recipes, printed from ``verl_longstraw.estimate``: the tables in
+recipes/clusters/*/README.md are this script's output, and tests/integration/test_cluster_recipes.py
+checks that they still are.
+
+    python recipes/clusters/memory_table.py qwen35_27b_1m            # the recipe's per-GPU table
+    python recipes/clusters/memory_table.py --sweep qwen35_27b_4m    # the same step under other knobs
+    python recipes/clusters/memory_table.py --write                  # rewrite the README blocks
+
+A README block is the output of the command in its opening comment, up to ``<!-- end -->``:
+``<!-- python recipes/clusters/memory_table.py [--sweep] NAME -->``.
+
+Each overlay is composed on ``longstraw_grpo`` (as its launch.sh applies it) and the table reads the
+composed config: prompt/response lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s
+offload and mixed precision, gradient checkpointing, GPUs per node. A recipe does not name the model's
+dimensions (the model path is the user's), so ``MODELS`` states them; ``GPU_BYTES`` the GPU's memory.
+Memory is in GiB (2^30 bytes); GPU sizes are vendors' GB (10^9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+import transformers
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from verl_longstraw.configs import config_dir
+from verl_longstraw.estimate import GIB, GpuTable, Training, gpu_table, parameter_counts, state_specs
+
+CLUSTERS = Path(__file__).resolve().parent
+BLOCK = re.compile(  # a README block: the opening comment names the command, the body (no comments) its output
+    r"(?P<head><!-- python recipes/clusters/memory_table.py (?P<args>[^>]*?) -->\n)(?P<body>(?:(?!<!--).)*?)"
+    r"(?P<tail><!-- end -->)",
+    re.S,
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def qwen35_27b() -> transformers.PretrainedConfig:
+    """Qwen3.5-27B's text model as its public config.json states it (assumed here, not read from a checkpoint):
+    64 layers, every 4th full attention (24 query heads, 4 KV heads of 256) and the rest Gated DeltaNet
+    (16 key heads, 48 value heads of 128, conv kernel 4), hidden 5120, MLP 17408, vocabulary 248320, untied
+    embeddings. The same dims as benchmarks/gpu_check.py's real-width stack."""
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        max_position_embeddings=1 << 23, tie_word_embeddings=False,
+    )
+
+
+def glm5() -> transformers.PretrainedConfig:
+    """GLM-5 as transformers' GlmMoeDsaConfig defaults describe it: 78 MLA layers (64 heads, latent 512 +
+    rope 64, DSA indexer 32 heads of 128), 3 dense then 75 MoE layers of 256 routed experts (top 8) + 1
+    shared, hidden 6144, vocabulary 154880, untied embeddings."""
+    return transformers.GlmMoeDsaConfig(max_position_embeddings=1 << 23)
+
+
+MODELS: dict[str, tuple[str, Callable[[], transformers.PretrainedConfig]]] = {
+    "qwen35_27b_1m": ("Qwen3.5-27B", qwen35_27b),
+    "qwen35_27b_4m": ("Qwen3.5-27B", qwen35_27b),
+    "glm5_mla_multinode": ("GLM-5", glm5),
+}
+GPU_BYTES = {"qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "glm5_mla_multinode": 141e9}  # 96 GB; H200 141 GB
+SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fields), per recipe
+    "qwen35_27b_1m": [
+        *({"chunk_size": c} for c in (16384, 32768, 65536, 262144)),
+        {"state_grad_on_host": False},
+        {"checkpointing": False},
+    ],
+    "qwen35_27b_4m": [
+        *({"chunk_size": c} for c in (65536, 131072, 524288)),
+        *({"cp_size": 8, "chunk_size": c} for c in (65536, 131072, 262144)),
+        {"cp_size": 8, "chunk_size": 131072, "prompt_grad": "detached"},
+    ],
+    "glm5_mla_multinode": [
+        *({"chunk_size": c} for c in (16384, 32768, 131072)),
+        {"offload_policy": False, "optimizer_offload": False},
+        {"cp_size": 32, "chunk_size": 262144},  # one CP group over all 4 nodes: FSDP shards over 32
+    ],
+}
+
+
+@cache
+def _model(name: str) -> tuple:
+    """(config, state specs, parameter counts) of the recipe's model, built once per process."""
+    config = MODELS[name][1]()
+    return config, state_specs(config), parameter_counts(config)
+
+
+def memory(name: str, cfg: DictConfig, **change) -> GpuTable:
+    """The per-GPU memory of recipe ``name`` (composed: ``cfg``), with ``change`` to its Training knobs."""
+    config, specs, params = _model(name)
+    run = dataclasses.replace(training(cfg), **change)
+    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, specs, params)
+
+
+def compose_recipe(name: str) -> DictConfig:
+    """``longstraw_grpo`` + ``+recipe=<name>``, as the recipe's launch.sh composes it."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return compose(config_name="longstraw_grpo", overrides=[f"+recipe={name}", "actor_rollout_ref.model.path=x"])
+
+
+def training(cfg: DictConfig) -> Training:
+    """The knobs of a composed recipe config."""
+    actor = cfg.actor_rollout_ref.actor
+    knobs, fsdp = actor.longstraw, actor.fsdp_config
+    return Training(
+        prompt_len=cfg.data.max_prompt_length, group_size=cfg.actor_rollout_ref.rollout.n,
+        response_len=cfg.data.max_response_length, chunk_size=knobs.chunk_size, prompt_grad=knobs.prompt_grad,
+        cp_size=knobs.context_parallel_size, state_grad_on_host=knobs.state_grad_on_host,
+        offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
+        param_dtype=DTYPES[fsdp.mixed_precision.param_dtype], reduce_dtype=DTYPES[fsdp.mixed_precision.reduce_dtype],
+        checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+    )
+
+
+def describe(run: Training) -> str:
+    """The knobs of ``run`` in one line."""
+    return (f"P = {run.prompt_len} prompt tokens, G = {run.group_size} responses of T = {run.response_len}, "
+            f"R = {run.cp_size}, chunk_size {run.chunk_size}, prompt_grad {run.prompt_grad}, state_grad_on_host "
+            f"{run.state_grad_on_host}, offload_policy {run.offload_policy}, optimizer_offload "
+            f"{run.optimizer_offload}, {str(run.param_dtype)[6:]} params / {str(run.reduce_dtype)[6:]} reduce, "
+            f"gradient checkpointing {run.checkpointing}")
+
+
+def table(name: str) -> str:
+    """The recipe's per-GPU table (markdown), headed by the model and the knobs it was computed for."""
+    cfg = compose_recipe(name)
+    nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {GPU_BYTES[name] / 1e9:g} GB"
+    return f"{MODELS[name][0]} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg).markdown()}"
+
+
+def sweep(name: str) -> str:
+    """The recipe's step under the knobs of ``SWEEPS[name]``: device peak and host per rank (markdown)."""
+    cfg = compose_recipe(name)
+    lines = [f"{MODELS[name][0]} ({name}), changed from the recipe's knobs:", "",
+             "| knobs | device peak GiB | host GiB per rank | fits |", "|---|---:|---:|---|"]
+    for change in [{}, *SWEEPS[name]]:
+        m = memory(name, cfg, **change)
+        knobs = ", ".join(f"{k}={v}" for k, v in change.items()) or "(the recipe)"
+        fits = "yes" if m.peak <= m.gpu_bytes else "no"
+        lines.append(f"| {knobs} | {m.peak / GIB:.2f} | {m.host / GIB:.2f} | {fits} |")
+    return "\n".join(lines)
+
+
+def rendered(args: str) -> str:
+    """The output of ``memory_table.py ARGS`` (one recipe, optionally ``--sweep``), as a README block holds it."""
+    *flags, name = args.split()
+    return sweep(name) if flags == ["--sweep"] else table(name)
+
+
+def rewrite(text: str) -> str:
+    """``text`` with every README block's body replaced by its command's current output."""
+    return BLOCK.sub(lambda m: m["head"] + rendered(m["args"]) + "\n" + m["tail"], text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipes", nargs="*", default=sorted(MODELS), help="recipe overlay names (all by default)")
+    parser.add_argument("--sweep", action="store_true", help="the step under other knobs instead of the table")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks of recipes/clusters/*/README.md")
+    args = parser.parse_args()
+    if args.write:
+        for readme in sorted(CLUSTERS.glob("*/README.md")):
+            readme.write_text(rewrite(readme.read_text()))
+        return
+    print("\n\n".join((sweep if args.sweep else table)(name) for name in args.recipes))
+
+
+if __name__ == "__main__":
+    main()
