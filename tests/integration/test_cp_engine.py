@@ -26,12 +26,13 @@ MODES = ("token-mean", "seq-mean-token-mean")
 CP = 2
 CHUNK = 16
 PROMPTS = (24, 48)  # prompt lengths drawn from [24, 48): 2-3 chunks of 16, split over the CP ranks
+SEED = 4  # a batch with a 34-token prompt: 33 captured = 16 + 16 + 1, the last token merged into the 2nd chunk
 
 
 def _batch(rank: int, world: int):
     from verl_longstraw.integration import testing
 
-    return testing.make_batch(n_groups=3, group_size=4, seed=11, rank=rank, world_size=world, prompt_len=PROMPTS)
+    return testing.make_batch(n_groups=3, group_size=4, seed=SEED, rank=rank, world_size=world, prompt_len=PROMPTS)
 
 
 def _run(strategy: str, family: str, mode: str, model_dir: str, rank: int, world: int, mbs: int, **knobs) -> dict:
@@ -49,10 +50,11 @@ def _run(strategy: str, family: str, mode: str, model_dir: str, rank: int, world
     recorder = FsdpRecorder(list(engine.module.model.layers))
     with recorder:
         out = testing.compute_log_prob(engine, td.clone(), mbs)
-        _, params, metrics = testing.train_step(engine, td.clone(), cfg, mbs)
+        grads, params, metrics = testing.train_step(engine, td.clone(), cfg, mbs)
     logp = no_padding_2_padding(out["log_probs"], td) * td["response_mask"]
     result = {
         "log_probs": logp,
+        "grads": grads,
         "params": params,
         "max_layers_unsharded": recorder.max_layers_unsharded,
         "dispatch": (
@@ -149,6 +151,7 @@ def _check_parity(results: list[dict], world: int, families, modes) -> None:
             assert stock_lp.shape == cp_lp.shape
             assert (stock_lp - cp_lp).abs().max().item() < 1e-5, (family, mode)
             for k in range(world):
+                assert testing.rel_diff(cp[k]["grads"], stock[0]["grads"]) < 1e-5, (family, mode, k)
                 assert testing.rel_diff(cp[k]["params"], stock[0]["params"]) < 1e-5, (family, mode, k)
                 assert cp[k]["dispatch"] == (k // CP, world // CP, k % CP == 0)
                 assert 1 <= cp[k]["max_layers_unsharded"] <= 2, (family, mode, cp[k]["max_layers_unsharded"])

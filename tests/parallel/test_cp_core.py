@@ -44,8 +44,10 @@ def _cases(world: int) -> list[tuple]:
     chunks = [None, 64, 97, 299]  # 299 of 300 captured tokens: a 1-token last chunk, merged into the one before
     cases = []
     for n, family in enumerate(FAMILIES):
-        prompt_len = 301 if n % 2 == 0 else 517
-        cases.append((family, prompt_len, chunks[n % len(chunks)], sizes[n % 3], "exact"))
+        chunk = chunks[n % len(chunks)]
+        prompt_len = 301 if n % 2 == 0 or chunk == 299 else 517
+        cases.append((family, prompt_len, chunk, sizes[n % 3], "exact"))
+    cases.append(("qwen3", 301, 23, sizes[1], "exact"))  # 13 chunks of 23 and a 1-token 14th, merged into the 13th
     cases.append(("qwen3_5", 301, 64, sizes[2], "detached"))
     cases.append(("deepseek_v3", 301, 97, sizes[0], "detached"))
     return cases

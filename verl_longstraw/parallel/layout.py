@@ -55,7 +55,8 @@ class PromptLayout:
         size = self.chunk_size or self.length
         bounds = [[s, min(s + size, self.length)] for s in range(0, self.length, size)]
         if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < self.world:
-            bounds[-2][1] = bounds.pop()[1]
+            last = bounds.pop()
+            bounds[-1][1] = last[1]
         return tuple((s, e) for s, e in bounds)
 
     def slices(self, chunk: int) -> list[tuple[int, int]]:
