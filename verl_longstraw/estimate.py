@@ -523,7 +523,8 @@ class Training:
 class GpuTable:
     """Per-GPU memory of one training step on rank 0 of a CP group (the rank with the most rows), in bytes:
     ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
-    ``preflight`` what the engine's pre-flight check estimates for the group (``estimate_memory``)."""
+    ``preflight`` what the engine's pre-flight check compares with the device's free memory at the start of a
+    step (the group terms of the same estimate; the model terms are resident or come and go per layer)."""
 
     rows: tuple[tuple[str, int, int], ...]
     peak: int
@@ -547,8 +548,8 @@ class GpuTable:
                      f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
                      f" | {gib(self.gpu_bytes)} | |")
         lines.append(f"| host memory per node ({self.gpus_per_node} ranks) | | {gib(self.host * self.gpus_per_node)} |")
-        lines.append(f"| engine pre-flight estimate of the group (`estimate_memory`: no checkpointing credit, no "
-                     f"model terms) | {gib(self.preflight)} | |")
+        lines.append(f"| engine pre-flight estimate: the group's rows above, compared with the free device memory "
+                     f"at the start of the step | {gib(self.preflight)} | |")
         return "\n".join(lines)
 
 
@@ -577,7 +578,7 @@ def gpu_table(
     args = (config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
             run.param_dtype, specs, r, run.state_grad_on_host)
     e = estimate_fn(*args)
-    preflight = estimate_memory(*args).total_bytes
+    preflight = e.total_bytes  # the engine's pre-flight figure: the same estimate function, group terms only
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
         return (0, nbytes) if on_host else (nbytes, 0)

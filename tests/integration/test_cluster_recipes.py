@@ -92,7 +92,7 @@ def test_cluster_recipe_composes_and_validates(name):
     assert actor_dc.engine.longstraw == actor_dc.longstraw
     assert actor_dc.longstraw.context_parallel_size == cp_size and actor_dc.longstraw.state_grad_on_host
     assert actor_dc.longstraw.chunk_size == knobs.chunk_size and actor_dc.longstraw.prompt_grad == "exact"
-    assert not actor_dc.longstraw.preflight and actor_dc.longstraw.memory_budget_gb is None  # see the READMEs
+    assert actor_dc.longstraw.preflight and actor_dc.longstraw.memory_budget_gb is None
     assert actor_dc.engine.offload_policy and actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
     rollout_dc = omega_conf_to_dataclass(rollout)
     assert rollout_dc.prompt_length == prompt and rollout_dc.response_length == response

@@ -44,7 +44,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_for
-from verl_longstraw.estimate import GIB, check_budget, estimate_memory
+from verl_longstraw.estimate import GIB, check_budget, estimate_checkpointed, estimate_memory
 from verl_longstraw.parallel import comm
 from verl_longstraw.state import PromptState
 
@@ -162,15 +162,18 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
     def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
-        """Estimated device bytes of this rank's largest group; with `longstraw.preflight`, MemoryError
-        naming the knobs when it exceeds `memory_budget_gb` (or the device's free memory). Runs before
-        any capture, on every rank of a CP group with the same groups, so every rank raises."""
+        """Estimated device bytes of this rank's largest group (`estimate_checkpointed` under veRL's gradient
+        checkpointing, else `estimate_memory`); with `longstraw.preflight`, MemoryError naming the knobs
+        when it exceeds `memory_budget_gb` (or the device's free memory). Runs before any capture; every
+        rank learns every rank's verdict, so all raise together."""
         adapter = adapter_for(self.module)
         knobs = self.longstraw
         mode = "detached" if forward_only else knobs.prompt_grad
+        checkpointed = self.model_config.enable_gradient_checkpointing and not forward_only
+        estimate_fn = estimate_checkpointed if checkpointed else estimate_memory
         largest, worst = 0, None
         for frag in (f for mb in fragments for f in mb):
-            estimate = estimate_memory(
+            estimate = estimate_fn(
                 adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
                 knobs.chunk_size, mode, self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
                 state_grad_on_host=knobs.state_grad_on_host,
