@@ -489,11 +489,28 @@ def parameter_counts(config) -> ParameterCounts:
     """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return count_units(model)
+
+
+def count_units(model: torch.nn.Module) -> ParameterCounts:
+    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` made them DTensors)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight is not embed.weight
     modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
     units = tuple(sum(p.numel() for p in m.parameters()) for m in modules)
     return ParameterCounts(units, sum(p.numel() for p in model.parameters()) - sum(units))
+
+
+def unsharded_bytes(
+    params: ParameterCounts, cp_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, training: bool
+) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) a rank holds unsharded at once during a step: two consecutive FSDP2
+    units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
+    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch). Gradients (``training``) in
+    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
+    count = params.largest_pair if cp_size > 1 else params.total
+    reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
+    return count * param_dtype.itemsize, count * (param_dtype.itemsize + reduce_copy) if training else 0
 
 
 @dataclass(frozen=True)
@@ -524,7 +541,7 @@ class GpuTable:
     """Per-GPU memory of one training step on rank 0 of a CP group (the rank with the most rows), in bytes:
     ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
     ``preflight`` what the engine's pre-flight check compares with the device's free memory at the start of a
-    step (the group terms of the same estimate; the model terms are resident or come and go per layer)."""
+    step: the group terms and the unsharded units (the resident shards are already outside the free memory)."""
 
     rows: tuple[tuple[str, int, int], ...]
     peak: int
@@ -548,8 +565,8 @@ class GpuTable:
                      f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
                      f" | {gib(self.gpu_bytes)} | |")
         lines.append(f"| host memory per node ({self.gpus_per_node} ranks) | | {gib(self.host * self.gpus_per_node)} |")
-        lines.append(f"| engine pre-flight estimate: the group's rows above, compared with the free device memory "
-                     f"at the start of the step | {gib(self.preflight)} | |")
+        lines.append(f"| engine pre-flight estimate: the group's rows and the unsharded units' rows above, compared "
+                     f"with the free device memory at the start of the step | {gib(self.preflight)} | |")
         return "\n".join(lines)
 
 
@@ -571,14 +588,12 @@ def gpu_table(
     n, r = params if params is not None else parameter_counts(config), run.cp_size
     fp32_shard = 4 * n.total // r
     pair = n.largest_pair
-    unsharded = pair * run.param_dtype.itemsize
-    reduce_copy = run.reduce_dtype.itemsize if run.reduce_dtype != run.param_dtype else 0
-    grads = pair * (run.param_dtype.itemsize + reduce_copy)
+    unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
     estimate_fn = estimate_checkpointed if run.checkpointing else estimate_memory
     args = (config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
             run.param_dtype, specs, r, run.state_grad_on_host)
     e = estimate_fn(*args)
-    preflight = e.total_bytes  # the engine's pre-flight figure: the same estimate function, group terms only
+    preflight = e.total_bytes + unsharded + grads  # the engine's pre-flight figure (same functions)
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
         return (0, nbytes) if on_host else (nbytes, 0)

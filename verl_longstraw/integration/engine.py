@@ -38,13 +38,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
 from verl.utils.metric import AggregationType, Metric
+from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_for
-from verl_longstraw.estimate import GIB, check_budget, estimate_checkpointed, estimate_memory
+from verl_longstraw.estimate import (
+    GIB,
+    check_budget,
+    count_units,
+    estimate_checkpointed,
+    estimate_memory,
+    unsharded_bytes,
+)
 from verl_longstraw.parallel import comm
 from verl_longstraw.state import PromptState
 
@@ -163,7 +171,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
 
     def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
         """Estimated device bytes of this rank's largest group (`estimate_checkpointed` under veRL's gradient
-        checkpointing, else `estimate_memory`); with `longstraw.preflight`, MemoryError naming the knobs
+        checkpointing, else `estimate_memory`) plus the parameters and gradients it holds unsharded
+        (`estimate.unsharded_bytes`); with `longstraw.preflight`, MemoryError naming the knobs
         when it exceeds `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
         adapter = adapter_for(self.module)
@@ -171,6 +180,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         mode = "detached" if forward_only else knobs.prompt_grad
         checkpointed = self.model_config.enable_gradient_checkpointing and not forward_only
         estimate_fn = estimate_checkpointed if checkpointed else estimate_memory
+        reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
+        params, grads = unsharded_bytes(count_units(self.module), self.cp_size, self._compute_dtype(), reduce_dtype,
+                                        training=not forward_only)
+        model_bytes = params + grads
         largest, worst = 0, None
         for frag in (f for mb in fragments for f in mb):
             estimate = estimate_fn(
@@ -181,19 +194,22 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             if estimate.total_bytes > largest:
                 largest, worst = estimate.total_bytes, (frag, estimate)
         if not knobs.preflight:
-            return largest
+            return largest + model_bytes
         message = None
         if worst is not None:
             budget = int(knobs.memory_budget_gb * GIB) if knobs.memory_budget_gb is not None else _free_device_bytes()
             try:
-                check_budget(worst[1], budget)
+                check_budget(worst[1], budget - model_bytes)
             except MemoryError as exc:
                 frag = worst[0]
                 source = "longstraw.memory_budget_gb" if knobs.memory_budget_gb is not None else "free device memory"
+                held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for a micro-batch at R = 1)"
                 message = (
                     f"LongStraw pre-flight check, before any capture: the group of a {len(frag.prompt_ids)}-token "
                     f"prompt and {len(frag.responses)} responses (longest {max(len(r) for r in frag.responses)} "
-                    f"tokens) does not fit the budget ({source}). {exc}. The knobs are actor_rollout_ref.actor."
+                    f"tokens) does not fit the budget ({source}: {budget / GIB:.3g} GiB, of which "
+                    f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
+                    "The knobs are actor_rollout_ref.actor."
                     "longstraw.{chunk_size, context_parallel_size, state_grad_on_host, prompt_grad, "
                     "memory_budget_gb}; longstraw.preflight=false skips this check."
                 )
@@ -205,7 +221,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         for rank, theirs in enumerate(verdicts):
             if theirs is not None:
                 raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
-        return largest
+        return largest + model_bytes
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments=None):
         """Log-probs (and entropy) of one micro-batch, its loss, and, when training, its gradient.
