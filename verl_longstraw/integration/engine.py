@@ -47,6 +47,7 @@ from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.estimate import (
     GIB,
+    MemoryEstimate,
     check_budget,
     count_units,
     estimate_checkpointed,
@@ -114,7 +115,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return self.cp_mesh is None or self.cp_mesh["cp"].get_local_rank() == 0
 
     def _autocast(self):
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        dtype = self._compute_dtype()
         if dtype == torch.float32:
             return nullcontext()
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
@@ -170,50 +171,37 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
     def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
-        """Estimated device bytes of this rank's largest group (`estimate_checkpointed` under veRL's gradient
-        checkpointing, else `estimate_memory`) plus the parameters and gradients it holds unsharded
-        (`estimate.unsharded_bytes`); with `longstraw.preflight`, MemoryError naming the knobs
-        when it exceeds `memory_budget_gb` (or the device's free memory). Runs before any capture; every
+        """Estimated device bytes of this rank's step: its largest group's (`estimate_checkpointed` under
+        veRL's gradient checkpointing, else `estimate_memory`) plus the parameters and gradients it holds
+        unsharded (`estimate.unsharded_bytes`). With `longstraw.preflight`, MemoryError naming the knobs
+        when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
-        adapter = adapter_for(self.module)
-        knobs = self.longstraw
-        mode = "detached" if forward_only else knobs.prompt_grad
-        checkpointed = self.model_config.enable_gradient_checkpointing and not forward_only
-        estimate_fn = estimate_checkpointed if checkpointed else estimate_memory
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
         params, grads = unsharded_bytes(count_units(self.module), self.cp_size, self._compute_dtype(), reduce_dtype,
                                         training=not forward_only)
         model_bytes = params + grads
-        largest, worst = 0, None
-        for frag in (f for mb in fragments for f in mb):
-            estimate = estimate_fn(
-                adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
-                knobs.chunk_size, mode, self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
-                state_grad_on_host=knobs.state_grad_on_host,
-            )
-            if estimate.total_bytes > largest:
-                largest, worst = estimate.total_bytes, (frag, estimate)
-        if not knobs.preflight:
-            return largest + model_bytes
+        groups = [(frag, self._estimate(frag, forward_only)) for mb in fragments for frag in mb]
+        frag, estimate = max(groups, key=lambda g: g[1].total_bytes, default=(None, None))
+        total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
+        if not self.longstraw.preflight:
+            return total
         message = None
-        if worst is not None:
-            budget = int(knobs.memory_budget_gb * GIB) if knobs.memory_budget_gb is not None else _free_device_bytes()
+        if estimate is not None:
+            budget_gb = self.longstraw.memory_budget_gb
+            budget = int(budget_gb * GIB) if budget_gb is not None else _free_device_bytes()
             try:
-                check_budget(worst[1], budget - model_bytes)
+                check_budget(estimate, budget - model_bytes)
             except MemoryError as exc:
-                frag = worst[0]
-                source = "longstraw.memory_budget_gb" if knobs.memory_budget_gb is not None else "free device memory"
+                source = "longstraw.memory_budget_gb" if budget_gb is not None else "free device memory"
                 held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for a micro-batch at R = 1)"
                 message = (
                     f"LongStraw pre-flight check, before any capture: the group of a {len(frag.prompt_ids)}-token "
                     f"prompt and {len(frag.responses)} responses (longest {max(len(r) for r in frag.responses)} "
                     f"tokens) does not fit the budget ({source}: {budget / GIB:.3g} GiB, of which "
                     f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
-                    "The knobs are actor_rollout_ref.actor."
-                    "longstraw.{chunk_size, context_parallel_size, state_grad_on_host, prompt_grad, "
-                    "memory_budget_gb}; longstraw.preflight=false skips this check."
+                    "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, context_parallel_size, "
+                    "state_grad_on_host, prompt_grad, memory_budget_gb}; longstraw.preflight=false skips this check."
                 )
-        # every rank learns every verdict, so all raise together instead of some waiting in a collective
         verdicts: list[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, message)
         if message is not None:
@@ -221,7 +209,19 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         for rank, theirs in enumerate(verdicts):
             if theirs is not None:
                 raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
-        return largest + model_bytes
+        return total
+
+    def _estimate(self, frag: Fragment, forward_only: bool) -> MemoryEstimate:
+        """The memory estimate of one group on this rank with the engine's knobs and compute dtype."""
+        adapter = adapter_for(self.module)
+        checkpointed = self.model_config.enable_gradient_checkpointing and not forward_only
+        estimate_fn = estimate_checkpointed if checkpointed else estimate_memory
+        return estimate_fn(
+            adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
+            self.longstraw.chunk_size, "detached" if forward_only else self.longstraw.prompt_grad,
+            self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
+            state_grad_on_host=self.longstraw.state_grad_on_host,
+        )
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments=None):
         """Log-probs (and entropy) of one micro-batch, its loss, and, when training, its gradient.
