@@ -24,7 +24,7 @@ import transformers
 
 import verl_longstraw.api as api
 from verl_longstraw import GroupStats, capture_prompt, group_backward
-from verl_longstraw.estimate import check_budget, estimate_checkpointed, estimate_memory
+from verl_longstraw.estimate import check_budget, estimate_memory
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.testing import make_group, weighted_loss
@@ -226,13 +226,13 @@ def test_budget_error_says_which_knob_fits(knob):
 
 @pytest.mark.parametrize("family, cp_size", [("qwen3_5", 1), ("qwen3_5", 4), ("deepseek_v3", 4)])
 def test_checkpointed_estimate_changes_only_the_saved_terms(family, cp_size):
-    """estimate_checkpointed: the same state and state-gradient bytes as estimate_memory; the saved peaks are
+    """estimate_memory(checkpointed=True): the same state and state-gradient bytes as without; the saved peaks are
     the layer inputs plus one layer's saves, so less than every layer's for a multi-layer model, and more
     than the layer inputs alone."""
     config = tiny_config(family)
     args = (config, 4097, 8, 64, 512, "exact", torch.bfloat16)
     plain = estimate_memory(*args, cp_size=cp_size)
-    checkpointed = estimate_checkpointed(*args, cp_size=cp_size)
+    checkpointed = estimate_memory(*args, cp_size=cp_size, checkpointed=True)
     same = ("state_bytes", "boundary_bytes", "state_grad_bytes", "state_leaf_grad_bytes")
     assert [getattr(checkpointed, f) for f in same] == [getattr(plain, f) for f in same]
     inputs = config.num_hidden_layers * config.hidden_size * torch.bfloat16.itemsize

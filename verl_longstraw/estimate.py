@@ -314,6 +314,7 @@ def estimate_memory(
     cp_size: int = 1,
     state_grad_on_host: bool = False,
     rank: int = 0,
+    checkpointed: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
     for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens
@@ -325,41 +326,21 @@ def estimate_memory(
     ``state_grad_on_host``: the state-gradient sums live in host memory (``group_backward``'s flag).
     ``specs``: the model's per-layer state layout (``adapter.specs()``) when a model is at hand;
     None builds it from ``config`` (``state_specs``).
-    """
-    return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
-                     state_grad_on_host, rank, checkpointed=False)
 
-
-def estimate_checkpointed(
-    config,
-    prompt_len: int,
-    group_size: int,
-    response_len: int,
-    chunk_size: int | None = None,
-    prompt_grad: str = "exact",
-    dtype: torch.dtype = torch.bfloat16,
-    specs: list[tuple[StateSpec, ...]] | None = None,
-    cp_size: int = 1,
-    state_grad_on_host: bool = False,
-    rank: int = 0,
-) -> MemoryEstimate:
-    """``estimate_memory`` (same arguments, bytes) with per-decoder-layer activation checkpointing, which veRL
-    turns on with ``actor_rollout_ref.model.enable_gradient_checkpointing`` (non-reentrant) and the adapters
-    honour in replay and prompt recompute (``adapters.base.call_as``).
-
-    Only the saved-for-backward terms change: a segment (a replayed response, a recomputed chunk) keeps
-    each layer's input hidden state (tokens x hidden x dtype bytes per layer) and its backward recomputes
-    one layer at a time, so the peak adds the largest single layer's saves as ``estimate_memory`` counts
-    them (pass-Q's gathered queries included). The lm_head's logits are outside the layers and unchanged.
+    ``checkpointed``: per-decoder-layer activation checkpointing, which veRL turns on with
+    ``actor_rollout_ref.model.enable_gradient_checkpointing`` (non-reentrant) and the adapters honour in
+    replay and prompt recompute (``adapters.base.call_as``). Only the saved-for-backward terms change: a
+    segment (a replayed response, a recomputed chunk) keeps each layer's input hidden state (tokens x hidden
+    x dtype bytes per layer) and its backward recomputes one layer at a time, so the peak adds the largest
+    single layer's saves (pass-Q's gathered queries included); the lm_head's logits are outside the layers.
     Not calibrated: ``SavedTensorMeter`` cannot see inside a checkpointed layer (checkpointing installs its
-    own saved-tensor hooks) and no GPU measurement of it exists yet; the per-layer figures it reuses are
-    ``estimate_memory``'s (calibrated without checkpointing). Like ``estimate_memory`` it leaves out a layer's
-    forward/backward transients, a larger share when one layer's saves are held: a one-off CPU count of every
-    live storage (tiny float32 models of 8 layers, exact, chunked) peaked at 1.2x (qwen3) to 2.9x (qwen3_5)
-    this estimate's total, and at 1.0-1.4x ``estimate_memory``'s without checkpointing.
+    own saved-tensor hooks) and no GPU measurement of it exists yet. Like the plain estimate it leaves out a
+    layer's forward/backward transients, a larger share when one layer's saves are held: a one-off CPU count
+    of every live storage (tiny float32 models of 8 layers, exact, chunked) peaked at 1.2x (qwen3) to 2.9x
+    (qwen3_5) the checkpointed total, and at 1.0-1.4x the plain one.
     """
     return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
-                     state_grad_on_host, rank, checkpointed=True)
+                     state_grad_on_host, rank, checkpointed=checkpointed)
 
 
 def _estimate(
@@ -579,8 +560,8 @@ def gpu_table(
     params: ParameterCounts | None = None,
 ) -> GpuTable:
     """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2
-    sharding over the R ranks of a CP group (``parameter_counts``) and the group terms of ``estimate_checkpointed``
-    (``estimate_memory`` without ``run.checkpointing``). ``specs``/``params``: ``state_specs(config)`` and
+    sharding over the R ranks of a CP group (``parameter_counts``) and the group terms of ``estimate_memory``
+    (checkpointed when ``run.checkpointing``). ``specs``/``params``: ``state_specs(config)`` and
     ``parameter_counts(config)`` when already built. The unsharded-gradient row is an upper bound (two units'
     gradients and their reduce-scatter copies at once). Not counted: the CUDA context, NCCL buffers,
     allocator fragmentation and the no-grad capture's transients."""
@@ -589,10 +570,8 @@ def gpu_table(
     fp32_shard = 4 * n.total // r
     pair = n.largest_pair
     unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
-    estimate_fn = estimate_checkpointed if run.checkpointing else estimate_memory
-    args = (config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
-            run.param_dtype, specs, r, run.state_grad_on_host)
-    e = estimate_fn(*args)
+    e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
+                        run.param_dtype, specs, r, run.state_grad_on_host, checkpointed=run.checkpointing)
     preflight = e.total_bytes + unsharded + grads  # the engine's pre-flight figure (same functions)
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:

@@ -180,12 +180,14 @@ def test_every_overlay_knob_is_commented(name):
 
 @pytest.mark.parametrize("name", sorted(CLUSTER_RECIPES))
 def test_launch_script_parses_and_applies_the_recipe(tmp_path, name):
-    """launch.sh parses, and its dry run (LONGSTRAW_DRY_RUN=1, a stand-in interpreter that records the trainer's
-    arguments) composes to this recipe with its node count."""
+    """launch.sh and the shared launcher it runs parse, and its dry run (LONGSTRAW_DRY_RUN=1, a stand-in
+    interpreter that records the trainer's arguments) composes to this recipe with its node count."""
     folder, nnodes, prompt, *_ = CLUSTER_RECIPES[name]
-    script = CLUSTERS / folder / "launch.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
+    script, shared = CLUSTERS / folder / "launch.sh", CLUSTERS / "launch_recipe.sh"
+    for path in (script, shared):
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    assert "launch_recipe.sh" in script.read_text()
+    text = shared.read_text()
     assert '--config-path "$("$PYTHON" -m verl_longstraw.configs)" --config-name longstraw_grpo' in text
     assert "ray start" in text and (CLUSTERS / folder / "README.md").is_file()
 

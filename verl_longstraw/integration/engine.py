@@ -50,7 +50,6 @@ from verl_longstraw.estimate import (
     MemoryEstimate,
     check_budget,
     count_units,
-    estimate_checkpointed,
     estimate_memory,
     unsharded_bytes,
 )
@@ -171,8 +170,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
     def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
-        """Estimated device bytes of this rank's step: its largest group's (`estimate_checkpointed` under
-        veRL's gradient checkpointing, else `estimate_memory`) plus the parameters and gradients it holds
+        """Estimated device bytes of this rank's step: its largest group's (`estimate_memory`, crediting
+        veRL's gradient checkpointing when it is on) plus the parameters and gradients it holds
         unsharded (`estimate.unsharded_bytes`). With `longstraw.preflight`, MemoryError naming the knobs
         when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
@@ -214,13 +213,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _estimate(self, frag: Fragment, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one group on this rank with the engine's knobs and compute dtype."""
         adapter = adapter_for(self.module)
-        checkpointed = self.model_config.enable_gradient_checkpointing and not forward_only
-        estimate_fn = estimate_checkpointed if checkpointed else estimate_memory
-        return estimate_fn(
+        return estimate_memory(
             adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
             self.longstraw.chunk_size, "detached" if forward_only else self.longstraw.prompt_grad,
             self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
             state_grad_on_host=self.longstraw.state_grad_on_host,
+            checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
         )
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments=None):
