@@ -3,19 +3,16 @@ its collective bytes equal its formulas exactly and every rank issued the same c
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from verl_longstraw.testing import run_benchmark
 
 BENCH_CP = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cp.py"
 
 
 def test_bench_cp_quick(tmp_path):
-    run = subprocess.run([sys.executable, str(BENCH_CP), "--quick", "--timeout-s", "300", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads((tmp_path / "cp.json").read_text())
+    report = run_benchmark(BENCH_CP, ["--quick", "--timeout-s", "300", "--out", str(tmp_path)],
+                           tmp_path / "cp.json", timeout_s=600)
     rows = report["rows"]
     assert {r["R"] for r in rows} == {1, 2}
     for row in rows:

@@ -5,19 +5,16 @@ about half the prompt state per rank at R = 2, CP collectives only at R = 2, and
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from verl_longstraw.testing import run_benchmark
 
 BENCH_ENGINE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
 
 
 def test_bench_engine_smoke_r1_r2(tmp_path):
-    run = subprocess.run([sys.executable, str(BENCH_ENGINE), "--smoke", "--timeout-s", "400", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads((tmp_path / "engine_smoke.json").read_text())
+    report = run_benchmark(BENCH_ENGINE, ["--smoke", "--timeout-s", "400", "--out", str(tmp_path)],
+                           tmp_path / "engine_smoke.json", timeout_s=900)
     rows = {(r["engine"], r["op"], r["R"]): r for r in report["rows"]}
     group = report["G"][0]
     assert set(rows) == {(e, op, world) for e in ("fsdp2", "longstraw")

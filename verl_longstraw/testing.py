@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,3 +149,11 @@ def load_script(path: str | Path) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def run_benchmark(script: Path, args: Sequence[str], report: Path, timeout_s: float) -> dict:
+    """Run ``python script *args`` (a benchmark under benchmarks/) and return its JSON ``report``; fails with
+    the end of its stderr when it exits with an error."""
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout_s)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(report.read_text())
