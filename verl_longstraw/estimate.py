@@ -82,6 +82,7 @@ class MemoryEstimate:
     replay_saved_bytes: int  # saved for backward while a response replays (pass-Q included)
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
+    score_block_bytes: int  # CP: pass-Q's float32 scores and probabilities of one key block, one layer (transient)
     prompt_len: int  # the settings it was computed for
     chunk_size: int | None
     cp_size: int
@@ -98,8 +99,10 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         """Device bytes at the peak: state, state-gradient sums unless on the host, the saved peak and the
-        gradients a backward hands the state (each phase's transients counted at their largest)."""
-        return self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
+        gradients a backward hands the state, and pass-Q's score blocks (each phase's transients counted at their
+        largest)."""
+        return (self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
+                + self.score_block_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -228,6 +231,16 @@ class _Shapes:
             heads, dim, v_dim = self.attention_dims(kind)
             total += queries * heads * (dim * self.act + (v_dim + self.cp_size + 3) * self.compute)
         return total
+
+    def pass_q_score_block(self, queries: int, keys: int) -> int:
+        """Bytes of pass-Q's blocked partial attention while it scores ``queries`` gathered queries against one
+        block (``ops.attention.key_block_size``) of a rank's ``keys``: scores and probabilities [heads, queries,
+        block] in the compute dtype, for the attention layer with the most heads; 0 in one process."""
+        heads = max((self.attention_dims(k)[0] for k in set(self.kinds) if k != "linear"), default=0)
+        if self.cp_size == 1 or not heads:
+            return 0
+        block = min(attention_ops.key_block_size(heads * queries, self.compute), keys)
+        return 2 * heads * queries * block * self.compute
 
     def saved(
         self,
@@ -384,6 +397,9 @@ def _estimate(
         response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed
     )
     replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
+    score_block = shapes.pass_q_score_block(replay_queries, rows + response_len)
+    if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
+        score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
     backward = backward_pass_q = 0
     if exact and chunks:
         # the last chunk has the longest prefix; when it is short, the one before is larger
@@ -403,6 +419,7 @@ def _estimate(
         replay_saved_bytes=replay,
         prompt_backward_saved_bytes=backward,
         pass_q_bytes=backward_pass_q if backward >= replay else replay_pass_q,
+        score_block_bytes=score_block,
         prompt_len=prompt_len,
         chunk_size=chunk_size,
         cp_size=cp_size,
@@ -429,12 +446,12 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes)}: the float32 "
                      "state-gradient sums in host memory)")
     if e.state_grad_bytes:
-        detached = e.state_bytes - e.boundary_bytes + e.replay_saved_bytes
+        detached = e.state_bytes - e.boundary_bytes + e.replay_saved_bytes + e.score_block_bytes
         knobs.append(f"prompt_grad='detached' ({saving(detached)}; biased: drops the gradient through the prompt)")
-    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes:
+    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.score_block_bytes:
         smaller = max(e.cp_size, min(e.chunk_size or e.prompt_len, e.prompt_len) // 4)
         knobs.append(f"chunk_size={smaller} (now {e.chunk_size}; the prompt backward saves "
-                     f"{gib(e.prompt_backward_saved_bytes)} for one chunk)")
+                     f"{gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens by blocks)")
     knobs.append(f"context-parallel size R={2 * e.cp_size} (a cp_group of {2 * e.cp_size} ranks, now {e.cp_size}: "
                  "each rank holds 1/R of the prompt's token rows and of their gradients)")
     raise MemoryError(
@@ -442,7 +459,8 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
         f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
         f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
-        f"pass-Q {gib(e.pass_q_bytes)}). To fit: " + "; ".join(knobs) + "; or shorten the prompt"
+        f"pass-Q {gib(e.pass_q_bytes)}), pass-Q score blocks {gib(e.score_block_bytes)}. To fit: "
+        + "; ".join(knobs) + "; or shorten the prompt"
     )
 
 
@@ -594,6 +612,8 @@ def gpu_table(
         ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
          e.device_state_grad_bytes, e.host_bytes),
         ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
+        ("pass-Q score blocks: float32 scores and probabilities of one key block, one layer (transient)",
+         e.score_block_bytes, 0),
         (f"saved for backward, replay of one {run.response_len}-token response ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
          e.replay_saved_bytes, 0),

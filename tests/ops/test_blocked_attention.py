@@ -329,3 +329,14 @@ def test_detached_prefix_gets_no_gradient() -> None:
     _, detached_grads = run_with_grads(blocked, partial_inputs, 0.25)
     for name, grad in detached_grads.items():
         torch.testing.assert_close(grad, grads[name], atol=0, rtol=0)
+
+
+def test_key_block_bounds_the_score_block_bytes():
+    """Long query chunks score fewer keys at a time: scores and probabilities of a block stay within
+    SCORE_BLOCK_BYTES (24 heads x 131072 queries in float32: 1024 keys would be 24 GiB), never below the minimum."""
+    limit = attention_ops.SCORE_BLOCK_BYTES
+    assert attention_ops.key_block_size(4 * 512, 4) == attention_ops.PARTIAL_BLOCK_SIZE
+    for rows in (24 * 8192, 24 * 131072, 64 * 65536):
+        block = attention_ops.key_block_size(rows, 4)
+        assert 2 * rows * block * 4 <= limit < 2 * rows * (block + 1) * 4 or block == attention_ops.MIN_KEY_BLOCK
+    assert attention_ops.key_block_size(10**9, 4) == attention_ops.MIN_KEY_BLOCK

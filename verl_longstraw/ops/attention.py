@@ -104,7 +104,10 @@ def prefix_causal_attention(
     rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
     needs_mask = k_prefix.shape[-2] > 0 or folded or key_mask is not None
     if needs_mask and rows * total * q.element_size() > MASK_BYTES_LIMIT:
-        return prefix_causal_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask)
+        block = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
+        return prefix_causal_attention_blocked(
+            q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block
+        )
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask, cache)
 
 
@@ -146,6 +149,16 @@ def partial_attention_reference(
 
 SCORES_BYTES_LIMIT = 16 * 2**20  # the dense partial path saves a few score-sized tensors; beyond this, blocked
 PARTIAL_BLOCK_SIZE = 1024
+SCORE_BLOCK_BYTES = 256 * 2**20  # the blocked op's scores and probabilities of one key block, at most
+MIN_KEY_BLOCK = 16
+
+
+def key_block_size(query_rows: int, itemsize: int) -> int:
+    """Keys the blocked op scores at a time for ``query_rows`` rows (batch x query heads x queries) in an
+    arithmetic dtype of ``itemsize`` bytes: ``PARTIAL_BLOCK_SIZE``, or fewer so that the block's scores and
+    probabilities [query_rows, block] stay within ``SCORE_BLOCK_BYTES`` (e.g. 24 heads x a 131072-token
+    chunk: 21 keys, 2 x 252 MiB, where 1024 keys would take 24 GiB), but never below ``MIN_KEY_BLOCK``."""
+    return max(MIN_KEY_BLOCK, min(PARTIAL_BLOCK_SIZE, SCORE_BLOCK_BYTES // (2 * query_rows * itemsize)))
 
 
 def partial_attention(
@@ -162,12 +175,12 @@ def partial_attention(
     """(output [B, Hq, N, Dv], logsumexp [B, Hq, N]) in the arithmetic dtype, as ``partial_attention_blocked``.
 
     ``block_size`` None: the dense reference while its scores [B, Hq, N, P + T] fit in
-    ``SCORES_BYTES_LIMIT``, else the blocked op with ``PARTIAL_BLOCK_SIZE`` keys per block; an
+    ``SCORES_BYTES_LIMIT``, else the blocked op with ``key_block_size`` keys per block; an
     int: the blocked op with that many keys per block.
     """
     if block_size is None:
         scores_bytes = q.shape[:-1].numel() * (k_prefix.shape[-2] + k_self.shape[-2]) * compute_dtype(q.dtype).itemsize
         if scores_bytes <= SCORES_BYTES_LIMIT:
             return partial_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask)
-        block_size = PARTIAL_BLOCK_SIZE
+        block_size = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
     return partial_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size)

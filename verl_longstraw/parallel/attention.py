@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.attention import PARTIAL_BLOCK_SIZE, prefix_causal_attention
-from ..ops.blocked_attention import OwnKeyRule, partial_attention_blocked
+from ..ops.attention import key_block_size, prefix_causal_attention
+from ..ops.blocked_attention import OwnKeyRule, compute_dtype, partial_attention_blocked
 from .comm import Group, all_gather, group_rank, group_size, reduce_scatter
 
 
@@ -84,7 +84,7 @@ def sharded_prefix_attention(
     otherwise each segment is a sequence of its own (own keys visible only to its own queries,
     causally). ``key_mask`` bool [sum(query_sizes), P_r + T_r]: which of this rank's keys (prefix
     rows, then own keys) each query of every rank (in rank order) may see, on top of those rules.
-    ``block_size``: keys scored at a time by the blocked partial attention (None: ``PARTIAL_BLOCK_SIZE``).
+    ``block_size``: keys scored at a time by the blocked partial attention (None: ``ops.attention.key_block_size``).
     The partial attention is always the blocked op, never the dense one, even for small inputs: the dense
     op saves score-sized tensors [B, Hq, N, P_r + T_r] for backward, and N holds the queries of all R ranks,
     so at P_r = P / R they are as large as one process's scores over the whole prefix (the memory context
@@ -102,8 +102,9 @@ def sharded_prefix_attention(
     rank = group_rank(group)
     queries = torch.cat(all_gather(q, group, query_sizes, dim=-2), dim=-2)
     own_keys = OwnKeyRule(start=sum(query_sizes[:rank]), later_rows_see_all=causal_across_ranks)
+    block_size = block_size or key_block_size(queries.shape[:-1].numel(), compute_dtype(queries.dtype).itemsize)
     out, logsumexp = partial_attention_blocked(
-        queries, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size or PARTIAL_BLOCK_SIZE
+        queries, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size
     )
     total = torch.logsumexp(torch.stack(all_gather(logsumexp, group)), dim=0)
     weighted = out * (logsumexp - total).exp().unsqueeze(-1)
