@@ -179,3 +179,18 @@ def test_fla_dispatch_matches_reference(with_state: bool) -> None:
     results.update({f"grad {n}": (grads[n], ref_grads[n]) for n in grads})
     for name, (x, ref) in results.items():
         assert (x.float() - ref).norm() <= 2e-2 * ref.norm(), name
+
+
+def test_kernel_path_is_logged_once(caplog) -> None:
+    """The path the rule runs is logged once per process (here: the plain torch rule for CPU inputs)."""
+    import logging
+
+    from verl_longstraw.ops import gated_delta_rule as rule
+
+    rule._log_kernel_path.cache_clear()
+    inputs = {n: None if x is None else x.detach() for n, x in make_inputs(9, torch.float32, True).items()}
+    with caplog.at_level(logging.INFO, logger=rule.__name__):
+        gated_delta_rule(*inputs.values())
+        gated_delta_rule(*inputs.values())
+    messages = [r.getMessage() for r in caplog.records if r.name == rule.__name__]
+    assert messages == ["gated delta rule: plain torch chunked rule (cpu torch.float32 inputs)"]

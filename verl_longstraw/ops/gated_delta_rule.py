@@ -23,6 +23,7 @@ load it.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 _L2NORM_EPS = 1e-6
 _FLA_DTYPES = (torch.bfloat16, torch.float16)
+logger = logging.getLogger(__name__)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +149,12 @@ def _fla_chunk_gated_delta_rule() -> Callable | None:
     return chunk_gated_delta_rule
 
 
+@functools.cache
+def _log_kernel_path(path: str, why: str, level: int = logging.INFO) -> None:
+    """Say once per process which kernel the gated delta rule runs, and why."""
+    logger.log(level, "gated delta rule: %s (%s)", path, why)
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,11 +169,15 @@ def gated_delta_rule(
 
     The final state is float32 (float64 for float64 inputs). bf16/fp16 CUDA inputs go to
     flash-linear-attention when it is installed (its chunk size is fixed, ``chunk_size`` is
-    ignored there); everything else takes the plain torch path.
+    ignored there); everything else takes the plain torch path. The path taken is logged once.
     """
     if q.is_cuda and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
         fla_kernel = _fla_chunk_gated_delta_rule()
-        if fla_kernel is not None:
+        if fla_kernel is None:
+            _log_kernel_path("plain torch chunked rule", "flash-linear-attention is not installed: "
+                             "pip install 'verl-longstraw[gpu]' for its CUDA kernel", logging.WARNING)
+        else:
+            _log_kernel_path("flash-linear-attention chunk kernel", f"CUDA {q.dtype} inputs")
             out, state = fla_kernel(
                 q,
                 k,
@@ -178,6 +190,8 @@ def gated_delta_rule(
                 use_qk_l2norm_in_kernel=use_qk_l2norm,
             )
             return out.to(v.dtype), state.float()
+    if not q.is_cuda or q.dtype not in _FLA_DTYPES:
+        _log_kernel_path("plain torch chunked rule", f"{q.device.type} {q.dtype} inputs")
     out_dtype = v.dtype
     out, state = _chunked(*_prepare(q, k, v, g, beta, initial_state, use_qk_l2norm), chunk_size)
     return out.to(out_dtype), state
