@@ -1,6 +1,6 @@
 """LongStraw knobs and the actor config that carries them (`actor_rollout_ref.actor.longstraw.*`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from verl.base_config import BaseConfig
@@ -8,9 +8,6 @@ from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
 STRATEGY = "longstraw"
 PROMPT_GRAD_MODES = ("exact", "detached")
-
-
-KNOBS = ("prompt_grad", "chunk_size", "context_parallel_size", "state_grad_on_host", "preflight", "memory_budget_gb")
 
 
 @dataclass
@@ -65,6 +62,9 @@ class LongStrawConfig(BaseConfig):
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"{where}.memory_budget_gb={budget!r} must be a positive number of GiB or null "
                              "(the device's free memory).")
+
+
+KNOBS = tuple(f.name for f in fields(LongStrawConfig) if f.name != "_target_")  # the keys of the longstraw block
 
 
 def _positive_int(value: Any) -> bool:

@@ -28,6 +28,7 @@ group (`verl_longstraw.estimate`) with `longstraw.memory_budget_gb` or the devic
 """
 
 import copy
+import functools
 from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
@@ -44,10 +45,11 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
-from verl_longstraw.adapters import adapter_for
+from verl_longstraw.adapters import Adapter, adapter_for
 from verl_longstraw.estimate import (
     GIB,
     MemoryEstimate,
+    ParameterCounts,
     check_budget,
     count_units,
     estimate_memory,
@@ -166,6 +168,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         result["metrics"]["longstraw/estimated_peak_gb"] = Metric(AggregationType.MAX, preflight / GIB)
         return result
 
+    @functools.cached_property
+    def _unit_counts(self) -> ParameterCounts:
+        """Parameters per FSDP2 unit (fixed once the model is built)."""
+        return count_units(self.module)
+
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
@@ -176,10 +183,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
-        params, grads = unsharded_bytes(count_units(self.module), self.cp_size, self._compute_dtype(), reduce_dtype,
+        params, grads = unsharded_bytes(self._unit_counts, self.cp_size, self._compute_dtype(), reduce_dtype,
                                         training=not forward_only)
         model_bytes = params + grads
-        groups = [(frag, self._estimate(frag, forward_only)) for mb in fragments for frag in mb]
+        adapter = adapter_for(self.module)
+        groups = [(frag, self._estimate(adapter, frag, forward_only)) for mb in fragments for frag in mb]
         frag, estimate = max(groups, key=lambda g: g[1].total_bytes, default=(None, None))
         total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
         if not self.longstraw.preflight:
@@ -210,9 +218,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
         return total
 
-    def _estimate(self, frag: Fragment, forward_only: bool) -> MemoryEstimate:
+    def _estimate(self, adapter: Adapter, frag: Fragment, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one group on this rank with the engine's knobs and compute dtype."""
-        adapter = adapter_for(self.module)
         return estimate_memory(
             adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
             self.longstraw.chunk_size, "detached" if forward_only else self.longstraw.prompt_grad,
@@ -221,16 +228,15 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
         )
 
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments=None):
-        """Log-probs (and entropy) of one micro-batch, its loss, and, when training, its gradient.
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments: list[Fragment]):
+        """Log-probs (and entropy) of one micro-batch (on the device, its groups ``fragments`` =
+        ``regroup(micro_batch)``), its loss, and, when training, its gradient.
 
         Returns (loss, output) like veRL's engine, but the backward has already run: the
-        returned loss is detached. ``fragments``: ``regroup(micro_batch)`` when already computed.
+        returned loss is detached.
         """
-        micro_batch = micro_batch.to(get_device_id())
         self._check_request(micro_batch)
         check_positions(micro_batch)
-        fragments = regroup(micro_batch) if fragments is None else fragments
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
         stats = GroupStats()
