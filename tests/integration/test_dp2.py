@@ -1,36 +1,33 @@
-"""Two data-parallel ranks (two processes, gloo): groups split across ranks and micro-batches."""
+"""Two data-parallel ranks (two spawned processes, gloo, under a hard timeout): groups split across ranks
+and micro-batches."""
 
-import torch
-import torch.multiprocessing as mp
+import os
 
 from verl_longstraw.integration import testing
+from verl_longstraw.parallel.launch import run_ranks
 
 MBS = 3  # 12 shuffled samples of 3 groups -> 6 per rank -> 2 micro-batches per rank
 CASES = (("token-mean", True), ("seq-mean-token-mean", False))  # (loss_agg_mode, KL loss + entropy)
 
 
-def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
+def _worker(rank: int, world: int, model_path: str) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
 
-    testing.init_dist(rank=rank, world_size=2, port=port)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     results = {}
     for strategy in ("fsdp2", "longstraw"):
         for mode, kl in CASES:
             cfg = testing.actor_config(strategy, mode, kl, 0.01 if kl else 0.0, MBS)
             engine = testing.make_engine(strategy, model_path, cfg, MBS)
-            td = testing.make_batch(n_groups=3, group_size=4, seed=5, rank=rank, world_size=2)
+            td = testing.make_batch(n_groups=3, group_size=4, seed=5, rank=rank, world_size=world)
             logp = no_padding_2_padding(testing.compute_log_prob(engine, td.clone(), MBS)["log_probs"], td)
             grads, params, _ = testing.train_step(engine, td.clone(), cfg, MBS)
             results[strategy, mode] = (logp * td["response_mask"], grads, params)
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return results
 
 
-def test_two_ranks_match_fsdp2(model_dirs, tmp_path):
-    port = testing.free_port()
-    mp.start_processes(_worker, args=(model_dirs["qwen3"], str(tmp_path), port), nprocs=2, start_method="spawn")
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+def test_two_ranks_match_fsdp2(model_dirs):
+    for results in run_ranks(_worker, 2, model_dirs["qwen3"], timeout_s=900):
         for mode, _ in CASES:
             lp_s, g_s, p_s = results["fsdp2", mode]
             lp_l, g_l, p_l = results["longstraw", mode]
