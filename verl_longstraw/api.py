@@ -250,7 +250,8 @@ def group_backward(
     state: PromptState | None = None,
     cp_group: comm.Group = None,
     state_grad_on_host: bool = False,
-) -> torch.Tensor:
+    return_log_probs: bool = False,
+):
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
     ``loss_fn(i, logps_i)`` (or ``loss_fn(i, logps_i, entropy_i)`` with ``with_entropy``)
@@ -262,7 +263,9 @@ def group_backward(
     ``state`` (from ``capture_prompt`` with the same ``chunk_size``) skips the capture.
     ``state_grad_on_host`` keeps the float32 state-gradient sums (exact mode) in host memory
     (pinned where CUDA is available), moved per layer tensor, for prompts whose state gradient
-    does not fit beside the model. Returns the losses [G], detached.
+    does not fit beside the model. Returns the losses [G], detached; with ``return_log_probs`` also the
+    log-probs [T_i] and entropies [T_i] (None without ``with_entropy``) of every response, detached (float32, as
+    ``group_log_probs`` returns them), so one replay serves both the loss and its inputs.
     """
 
     def validate():
@@ -293,7 +296,7 @@ def group_backward(
     leaves = as_leaves(state, requires_grad=exact)
 
     watch = Stopwatch(device)
-    losses, state_grads = {}, None
+    losses, state_grads, log_probs, entropies = {}, None, {}, {}
     for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group):
         logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, True, step.sharding)
         lp, ent = score(logits, step.targets, temperature, with_entropy)
@@ -306,6 +309,10 @@ def group_backward(
             if not ok:
                 raise ValueError(f"loss_fn must return a scalar tensor; it did not for response {i}")
             losses[i] = value
+        if return_log_probs:
+            log_probs.update(gather_round(lp, step, cp_group))
+            if with_entropy:
+                entropies.update(gather_round(ent, step, cp_group))
         loss.backward()
         if exact and leaves is not None:
             state_grads = accumulate_state_grads(leaves, state_grads, state_grad_on_host)
@@ -321,7 +328,11 @@ def group_backward(
         watch = Stopwatch(device)
         backward_prompt(adapter, prompt_ids[:-1], chunks, state, state_grads, state_grad_on_host)
         stats.prompt_backward_s += watch.seconds()
-    return torch.stack([losses[i] for i in range(len(responses))])
+    losses = torch.stack([losses[i] for i in range(len(responses))])
+    if not return_log_probs:
+        return losses
+    order = range(len(responses))
+    return losses, [log_probs[i] for i in order], [entropies[i] for i in order] if with_entropy else None
 
 
 def _response_loss(loss_fn: LossFn, index: int | None, lp: torch.Tensor, ent: torch.Tensor | None, with_entropy: bool):

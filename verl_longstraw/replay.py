@@ -138,7 +138,7 @@ def gather_round(
     """Every rank's ``values`` of one round (per token [T_r] unless ``sizes`` says otherwise), by response
     index (dummies dropped); no autograd."""
     if group is None:
-        return {step.response: values}
+        return {step.response: values.detach()}
     parts = comm.all_gather(values.detach().contiguous(), group, sizes or step.target_sizes)
     return {i: part for i, part in zip(step.responses, parts, strict=True) if i is not None}
 
