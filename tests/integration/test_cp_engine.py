@@ -8,7 +8,8 @@ loaded by veRL's own model loading).
   reports data-parallel rank 0 of 1; at most two decoder layers are unsharded at any time; the
   per-rank prompt state is about 1/2 of the whole prompt's.
 - 4 ranks as 2 CP groups x 2 data-parallel replicas (HSDP: shard inside a CP group), the batch's
-  groups split over the two replicas: the same parity.
+  groups split over the two replicas: the same parity. The 2-rank run trains with one replay per
+  response (single_forward), the 4-rank run with the two-pass path.
 - The pre-flight check fails an oversized step on every rank before any capture.
 """
 
@@ -124,6 +125,7 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[s
             results[family, mode, "longstraw"] = _run(
                 "longstraw", family, mode, model_dirs[family], rank, world, cp_mbs,
                 fsdp_size=CP if world > CP else -1, context_parallel_size=CP, chunk_size=CHUNK,
+                single_forward=world == CP,  # one replay per response at 2 ranks, the two-pass path at 4
             )
         if rank == 0:
             results[family, "whole_state"] = _whole_prompt_state(model_dirs[family], _batch(0, 1))

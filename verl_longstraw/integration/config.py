@@ -31,6 +31,10 @@ class LongStrawConfig(BaseConfig):
             make it fit, instead of running out of memory mid-step.
         memory_budget_gb: GiB per device the pre-flight check allows; None (default) uses the
             device's free memory at the start of the step (host MemAvailable on CPU).
+        single_forward: in training, replay each response once and backpropagate its own loss term
+            when veRL's loss is a sum of per-response terms (``integration.losses.splits_by_response``:
+            ppo_loss with vanilla, gspo, gpg, ... policy losses); other losses, or false, take the
+            two-pass path (a no-grad replay to evaluate the loss, then a replay with autograd).
     """
 
     prompt_grad: str = "exact"
@@ -39,6 +43,7 @@ class LongStrawConfig(BaseConfig):
     state_grad_on_host: bool = False
     preflight: bool = True
     memory_budget_gb: Optional[float] = None
+    single_forward: bool = True
 
     def __post_init__(self) -> None:
         where = "actor_rollout_ref.actor.longstraw"
@@ -55,7 +60,7 @@ class LongStrawConfig(BaseConfig):
                 f"{where}.context_parallel_size={self.context_parallel_size!r} must be a positive integer "
                 "(1: no context parallelism)."
             )
-        for name in ("state_grad_on_host", "preflight"):
+        for name in ("state_grad_on_host", "preflight", "single_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}.{name}={getattr(self, name)!r} must be true or false.")
         budget = self.memory_budget_gb

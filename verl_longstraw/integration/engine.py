@@ -5,14 +5,17 @@ are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differ
 
 - forward (log-probs): regroup the micro-batch by (uid, prompt), run `group_log_probs` once
   per fragment, and return veRL's nested `log_probs`/`entropy` over prompt + response.
-- training: evaluate veRL's own loss function (e.g. `ppo_loss` with the global normalisers)
-  on those log-probs, take its gradient with respect to every token's log-prob/entropy, and
-  backpropagate that through `group_backward` per fragment. By the chain rule this is the
-  gradient of veRL's loss for any policy loss and `loss_agg_mode`, including losses that do
-  not split into per-response terms; the cost is one extra replay forward per response.
-  Each fragment's prompt is captured once per step: the log-prob pass keeps the state
-  (`capture_prompt`) and the backward reuses it, so the states of one micro-batch's
-  fragments are alive together between the two passes.
+- training, one replay per response (`longstraw.single_forward`, when veRL's loss splits into
+  per-response terms: `losses.splits_by_response`): each response's replay evaluates veRL's loss with
+  that response's log-probs live and backpropagates it at once; the loss value and metrics come from
+  the detached log-probs afterwards.
+- training, two passes (other losses, e.g. clip_cov/kl_cov, or `single_forward: false`): evaluate
+  veRL's own loss function (e.g. `ppo_loss` with the global normalisers) on no-grad log-probs, take its
+  gradient with respect to every token's log-prob/entropy, and backpropagate that through
+  `group_backward` per fragment. By the chain rule this is the gradient of veRL's loss for any policy
+  loss and `loss_agg_mode`; the cost is one extra replay forward per response. Each fragment's prompt
+  is captured once per step: the log-prob pass keeps the state (`capture_prompt`) and the backward
+  reuses it, so the states of one micro-batch's fragments are alive together between the two passes.
 
 With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
 FSDP2 sharding over the CP group (CP groups are replicas: HSDP). veRL dispatches by the data-parallel
@@ -60,7 +63,16 @@ from verl_longstraw.state import PromptState
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
 from .fsdp2 import average_over_replicas, held_unsharded, sync_gradients
-from .regroup import Fragment, check_positions, gather_response_values, regroup, sample_uids, scatter_response_values
+from .losses import splits_by_response
+from .regroup import (
+    Fragment,
+    check_positions,
+    gather_response_values,
+    regroup,
+    response_starts,
+    sample_uids,
+    scatter_response_values,
+)
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -232,6 +244,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         """Log-probs (and entropy) of one micro-batch (on the device, its groups ``fragments`` =
         ``regroup(micro_batch)``), its loss, and, when training, its gradient.
 
+        Training takes one of two paths, reported as ``longstraw/single_forward`` (1 or 0): one replay per
+        response that backpropagates the response's own loss term (``longstraw.single_forward`` and a loss
+        that splits by response, ``losses.splits_by_response``), or two passes (log-probs without autograd,
+        veRL's loss on them, then a replay with autograd fed d(loss)/d(log-probs, entropy)).
         Returns (loss, output) like veRL's engine, but the backward has already run: the
         returned loss is detached.
         """
@@ -239,21 +255,26 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         check_positions(micro_batch)
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
+        single = not forward_only and self.longstraw.single_forward and splits_by_response(loss_function)
+        two_pass = not forward_only and not single
         stats = GroupStats()
-        states: Optional[list[PromptState]] = None if forward_only else []
+        states: Optional[list[PromptState]] = [] if two_pass else None
         with comm.trace_collectives() as collectives:
-            log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
+            if single:
+                log_probs, entropy = self._replay_once(fragments, micro_batch, loss_function, calculate_entropy, stats)
+            else:
+                log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
 
         offsets = micro_batch["input_ids"].offsets()
-        lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(not forward_only)
+        lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(two_pass)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp_flat, offsets)}
         ent_flat = None
         if calculate_entropy:
-            ent_flat = scatter_response_values(entropy, micro_batch).requires_grad_(not forward_only)
+            ent_flat = scatter_response_values(entropy, micro_batch).requires_grad_(two_pass)
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(ent_flat, offsets)
 
         if loss_function is not None:
-            with torch.enable_grad() if not forward_only else nullcontext(), self._autocast():
+            with torch.enable_grad() if two_pass else torch.no_grad(), self._autocast():
                 loss, metrics = loss_function(
                     model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
                 )
@@ -264,6 +285,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         metrics = dict(metrics)
         metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(fragments)))
         if not forward_only:
+            metrics["longstraw/single_forward"] = Metric(AggregationType.MEAN, float(single))
+        if two_pass:
             with comm.trace_collectives() as backward_collectives:
                 self._backward(fragments, states, loss, lp_flat, ent_flat, micro_batch, stats)
             collectives += backward_collectives
@@ -322,6 +345,69 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                         entropy[row] = ents[k].float()
         return log_probs, entropy
 
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss each rank backpropagates: through the gradient scaler if any, times R under context
+        parallelism (every rank of a CP group backpropagates its own part; see the module docstring)."""
+        scaler = getattr(self, "scaler", None)
+        scaled = scaler.scale(loss) if scaler is not None else loss
+        return scaled * self.cp_size if self.cp_size > 1 else scaled
+
+    def _replay_once(
+        self,
+        fragments: list[Fragment],
+        micro_batch: TensorDict,
+        loss_function: Callable,
+        calculate_entropy: bool,
+        stats: GroupStats,
+    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
+        """Training with one replay per response, for a loss that splits by response: each response's
+        replay evaluates veRL's loss with that response's log-probs (and entropy) live and zeros in every
+        other row, and backpropagates it at once. Its gradient is the response's share of the micro-batch
+        loss's gradient (``losses`` module docstring). Returns the per-row log-probs and entropies (detached,
+        float32, None for rows in no fragment) for the loss value and metrics."""
+        batch_size = len(micro_batch)
+        starts = response_starts(micro_batch)
+        offsets = micro_batch["input_ids"].offsets()
+        zeros = torch.zeros(int(offsets[-1]), device=offsets.device)
+
+        def live(values: torch.Tensor, row: int) -> torch.Tensor:
+            """[total] nested over prompt + response: ``values`` [T] at ``row``'s response positions, else 0."""
+            start = starts[row]
+            flat = torch.cat([zeros[:start], values.float(), zeros[start + len(values) :]])
+            return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+        log_probs: list[Any] = [None] * batch_size
+        entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
+        for frag in fragments:
+
+            def loss_fn(i: int, logps: torch.Tensor, ent: Optional[torch.Tensor] = None, frag=frag) -> torch.Tensor:
+                output = {"log_probs": live(logps, frag.rows[i])}
+                if ent is not None:
+                    output["entropy"] = live(ent, frag.rows[i])
+                loss, _ = loss_function(model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group())
+                return self._scale_loss(loss)
+
+            with self._autocast():
+                _, lps, ents = group_backward(
+                    self.module,
+                    frag.prompt_ids,
+                    frag.responses,
+                    loss_fn,
+                    prompt_grad=self.longstraw.prompt_grad,
+                    chunk_size=self.longstraw.chunk_size,
+                    temperature=frag.temperature,
+                    with_entropy=calculate_entropy,
+                    stats=stats,
+                    cp_group=self.get_context_parallel_group(),
+                    state_grad_on_host=self.longstraw.state_grad_on_host,
+                    return_log_probs=True,
+                )
+            for k, row in enumerate(frag.rows):
+                log_probs[row] = lps[k]
+                if calculate_entropy:
+                    entropy[row] = ents[k]
+        return log_probs, entropy
+
     def _backward(
         self,
         fragments: list[Fragment],
@@ -332,15 +418,9 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         micro_batch: TensorDict,
         stats: GroupStats,
     ) -> None:
-        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy).
-
-        Under context parallelism every rank holds the same loss and backpropagates its own part;
-        the loss is scaled by R (see the module docstring)."""
-        scaler = getattr(self, "scaler", None)
-        scaled = scaler.scale(loss) if scaler is not None else loss
-        scaled = scaled * self.cp_size if self.cp_size > 1 else scaled
+        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy)."""
         leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
-        grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
+        grads = torch.autograd.grad(self._scale_loss(loss), leaves, allow_unused=True)
         g_lp = gather_response_values(_zeros_if_none(grads[0], lp_flat), micro_batch)
         g_ent = None
         if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):

@@ -125,6 +125,13 @@ def check_positions(data: TensorDict) -> None:
         raise ValueError("LongStraw requires position_ids = 0..L-1 per sample (no packing, no offsets).")
 
 
+def response_starts(data: TensorDict) -> list[int]:
+    """Per row, the flat position of its first response log-prob in veRL's layout over prompt + response
+    (position t scores token t+1, so response values start at the last prompt token: offset + P_i - 1)."""
+    offsets = data["input_ids"].offsets().tolist()
+    return [offsets[row] + int(p) - 1 for row, p in enumerate(prompt_lengths(data).tolist())]
+
+
 def scatter_response_values(
     per_row: Sequence[Optional[torch.Tensor]], data: TensorDict, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -133,24 +140,15 @@ def scatter_response_values(
     That is veRL's layout for log_probs/entropy over prompt + response (position t scores token t+1);
     other positions, and rows whose entry is None (no response tokens), are zero.
     """
-    input_ids = data["input_ids"]
-    offsets = input_ids.offsets().tolist()
-    lengths = prompt_lengths(data).tolist()
-    out = torch.zeros(offsets[-1], dtype=dtype, device=input_ids.values().device)
-    for row, vals in enumerate(per_row):
-        if vals is None:
-            continue
-        start = offsets[row] + int(lengths[row]) - 1
-        out[start : start + vals.numel()] = vals
+    values = data["input_ids"].values()
+    out = torch.zeros(values.numel(), dtype=dtype, device=values.device)
+    for start, vals in zip(response_starts(data), per_row, strict=True):
+        if vals is not None:
+            out[start : start + vals.numel()] = vals
     return out
 
 
 def gather_response_values(flat: torch.Tensor, data: TensorDict) -> list[torch.Tensor]:
     """Inverse of `scatter_response_values`: per-row [T_i] views of a [total] flat tensor."""
-    offsets = data["input_ids"].offsets().tolist()
-    lengths = prompt_lengths(data).tolist()
-    out = []
-    for row in range(len(offsets) - 1):
-        start = offsets[row] + int(lengths[row]) - 1
-        out.append(flat[start : offsets[row + 1] - 1])
-    return out
+    ends = data["input_ids"].offsets()[1:].tolist()
+    return [flat[start : end - 1] for start, end in zip(response_starts(data), ends, strict=True)]
