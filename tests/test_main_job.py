@@ -349,5 +349,6 @@ def test_e2e_context_parallel_two_ranks(prepared, tmp_path):
             assert data[f"actor/longstraw/{key}"] > 0, key
         # dispatch by CP group: both ranks get the whole batch, one micro-batch per group (2 groups)
         assert data["actor/longstraw/groups"] == 2
+        assert data["actor/longstraw/single_forward"] == 1  # veRL's ppo_loss (vanilla) trains in one replay
         for key in ("critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/grad_norm"):
             assert math.isfinite(data[key]), key
