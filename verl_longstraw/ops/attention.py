@@ -13,6 +13,8 @@ logsumexp (shapes in ``verl_longstraw.ops.blocked_attention``).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,7 @@ from .blocked_attention import (
     partial_attention_blocked,
     prefix_causal_attention_blocked,
 )
+from .fused_attention import FUSED_PATHS, fused_dtype, prefix_causal_attention_fused
 
 
 def prefix_causal_mask(
@@ -93,21 +96,37 @@ def prefix_causal_attention_reference(
 MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond this the blocked op is leaner
 
 
+ATTENTION_PATHS: Counter[str] = Counter()  # calls of prefix_causal_attention per path it took (gpu_check, logs)
+
+
 def prefix_causal_attention(
     q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask: torch.Tensor | None = None, cache: dict | None = None
 ) -> torch.Tensor:
-    """Dispatch used by the adapters: one SDPA call while its explicit mask [G*T, P + T] stays small
-    (or, with no prefix and unfolded heads, needs no mask at all), else the blocked online-softmax
-    op, which saves only inputs, output, logsumexp and ``key_mask``."""
+    """Dispatch used by the adapters; counts the path it takes in ``ATTENTION_PATHS``.
+
+    - ``sdpa_is_causal``: no prefix, no key mask, unfolded heads: one SDPA call without a mask;
+    - ``fused_flash_cpu`` / ``fused_flash_cuda``: otherwise without a key mask where the fused kernels take
+      the inputs (``fused_dtype``: value dim == key dim, ...): two flash-attention calls merged by logsumexp;
+    - ``sdpa_mask``: else one SDPA call while its explicit mask [G*T, P + T] stays within ``MASK_BYTES_LIMIT``;
+    - ``blocked``: else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``.
+    """
     q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
     folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
     rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
-    needs_mask = k_prefix.shape[-2] > 0 or folded or key_mask is not None
-    if needs_mask and rows * total * q.element_size() > MASK_BYTES_LIMIT:
+    if key_mask is None and k_prefix.shape[-2] == 0 and not folded:
+        path = "sdpa_is_causal"
+    elif key_mask is None and (dtype := fused_dtype(q, k_prefix, v_prefix, k_self, v_self)) is not None:
+        ATTENTION_PATHS[FUSED_PATHS[q.device.type]] += 1
+        return prefix_causal_attention_fused(q, k_prefix, v_prefix, k_self, v_self, scale, dtype)
+    elif rows * total * q.element_size() <= MASK_BYTES_LIMIT:
+        path = "sdpa_mask"
+    else:
+        ATTENTION_PATHS["blocked"] += 1
         block = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
         return prefix_causal_attention_blocked(
             q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block
         )
+    ATTENTION_PATHS[path] += 1
     return prefix_causal_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask, cache)
 
 
