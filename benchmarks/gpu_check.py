@@ -31,6 +31,7 @@ from verl_longstraw import group_backward
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.ops.attention import ATTENTION_PATHS
 from verl_longstraw.testing import make_group, no_worse_than_standard, replay_errors, standard_grads, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model, use_reference_kernels
 
@@ -164,7 +165,7 @@ def scale(device: torch.device, tiny: bool, deadline: float) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["# GPU check", "", f"device: {result['device']}, total {result['seconds']:.0f} s", "",
-             f"Machine: {describe(result['machine'])}", "",
+             f"Machine: {describe(result['machine'])}", "", f"Attention paths (calls): {result['attention_paths']}", "",
              "## Equivalence vs the float32 standard path", "",
              "| family | dtype | max abs log-prob error (standard path's) | gradient rel L2 (standard's) | passed |",
              "|---|---|---|---|---|"]
@@ -198,8 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     info = machine()
     started = time.monotonic()
     families = ("qwen3", "qwen3_5", "deepseek_v3") if args.tiny else FAMILIES
+    ATTENTION_PATHS.clear()
     equiv = equivalence(device, families, 64 if args.tiny else 301, started + args.equivalence_seconds)
+    paths = {"equivalence": dict(ATTENTION_PATHS)}
+    ATTENTION_PATHS.clear()
     rows = scale(device, args.tiny, time.monotonic() + args.scale_seconds)
+    paths["scale"] = dict(ATTENTION_PATHS)
     longest: dict = {}
     for r in rows:
         key = (r["model"], r["G"], r["path"])
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "machine": info,
         "memory_metric": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "bytes saved for backward",
         "equivalence": equiv, "scale": rows, "longest_fitting_P": longest, "seconds": time.monotonic() - started,
+        "attention_paths": paths,  # prefix_causal_attention calls per path (fused kernel, SDPA, blocked) per stage
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "gpu_check_tiny" if args.tiny else "gpu_check"
