@@ -21,6 +21,7 @@ from .errors import UnsupportedModelError
 from .estimate import check_budget, estimate_memory
 from .parallel import comm
 from .replay import (
+    REPLAY_TOKENS,
     GroupStats,
     PromptChunk,
     accumulate_state_grads,
@@ -71,6 +72,11 @@ def validate_group(
             )
         adapter.check_length(total)
     return adapter
+
+
+def _check_replay_tokens(replay_tokens: object) -> None:
+    if not isinstance(replay_tokens, int) or isinstance(replay_tokens, bool) or replay_tokens < 1:
+        raise ValueError(f"replay_tokens must be a positive int (tokens of one replay batch), got {replay_tokens!r}")
 
 
 def _validate_prompt(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int | None) -> Adapter:
@@ -202,14 +208,18 @@ def group_log_probs(
     stats: GroupStats | None = None,
     state: PromptState | None = None,
     cp_group: comm.Group = None,
+    replay_tokens: int = REPLAY_TOKENS,
 ):
     """Per-token log-probs of each response given the prompt, computing the prompt once.
 
     Returns a list of float32 tensors [T_i] (equal to a full forward over prompt ++ response),
     and with ``return_entropy`` also the entropies [T_i] of the same positions. ``state``
-    (from ``capture_prompt``) skips the capture.
+    (from ``capture_prompt``) skips the capture. Responses replay in batches of k, in order, with
+    k x (longest T_i of the batch) <= ``replay_tokens`` (one forward each, the prompt state broadcast;
+    ``replay.replay_batches``); under ``cp_group`` one response per rank per round whatever ``replay_tokens``.
     """
     def validate():
+        _check_replay_tokens(replay_tokens)
         return validate_group(model, prompt_ids, responses, chunk_size), _plan(prompt_ids, chunk_size, cp_group)
 
     adapter, (chunks, rows) = _agree(
@@ -224,13 +234,14 @@ def group_log_probs(
         rank_rows = rows[comm.group_rank(cp_group)]
         past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state, chunks, rank_rows).current()
         watch = Stopwatch(device)
-        for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group):
+        steps = response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens)
+        for step in steps:
             logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, past, True, step.sharding)
             lp, ent = score(logits, step.targets, temperature, return_entropy)
-            log_probs.update(gather_round(lp, step, cp_group))
+            log_probs.update(gather_round(step.split(lp), step, cp_group))
             if return_entropy:
-                entropies.update(gather_round(ent, step, cp_group))
-            stats.response_tokens += len(step.targets) if step.response is not None else 0
+                entropies.update(gather_round(step.split(ent), step, cp_group))
+            stats.response_tokens += step.real_tokens
         stats.replay_s += watch.seconds()
     log_probs = [log_probs[i] for i in range(len(responses))]
     return (log_probs, [entropies[i] for i in range(len(responses))]) if return_entropy else log_probs
@@ -251,6 +262,7 @@ def group_backward(
     cp_group: comm.Group = None,
     state_grad_on_host: bool = False,
     return_log_probs: bool = False,
+    replay_tokens: int = REPLAY_TOKENS,
 ):
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
@@ -266,9 +278,15 @@ def group_backward(
     does not fit beside the model. Returns the losses [G], detached; with ``return_log_probs`` also the
     log-probs [T_i] and entropies [T_i] (None without ``with_entropy``) of every response, detached (float32, as
     ``group_log_probs`` returns them), so one replay serves both the loss and its inputs.
+
+    Responses replay in batches of k, in order, with k x (longest T_i of the batch) <= ``replay_tokens``: one
+    forward of the k right-padded responses against the broadcast prompt state and one backward of the sum of
+    their losses (``loss_fn`` is still called per response, with its unpadded tensors); memory grows with the
+    budget, not with G. Under ``cp_group`` one response per rank per round whatever ``replay_tokens`` (k = 1).
     """
 
     def validate():
+        _check_replay_tokens(replay_tokens)
         if prompt_grad not in PROMPT_GRAD_MODES:
             raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
         adapter = validate_group(model, prompt_ids, responses, chunk_size)
@@ -278,7 +296,7 @@ def group_backward(
             # rank 0's figures (the most rows) from replicated arguments: every rank reaches the same verdict
             estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size,
                                        prompt_grad, dtype, specs=adapter.specs(), cp_size=comm.group_size(cp_group),
-                                       state_grad_on_host=state_grad_on_host)
+                                       state_grad_on_host=state_grad_on_host, replay_tokens=replay_tokens)
             check_budget(estimate, memory_budget_bytes)
         return adapter, _plan(prompt_ids, chunk_size, cp_group)
 
@@ -297,26 +315,32 @@ def group_backward(
 
     watch = Stopwatch(device)
     losses, state_grads, log_probs, entropies = {}, None, {}, {}
-    for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group):
+    for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens):
         logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, True, step.sharding)
         lp, ent = score(logits, step.targets, temperature, with_entropy)
-        loss = _response_loss(loss_fn, step.response, lp, ent, with_entropy)
-        valid = isinstance(loss, torch.Tensor) and loss.dim() == 0
-        # losses and validity of every rank's response before any rank starts a backward (with its collectives)
-        payload = torch.stack([loss.detach().to(lp.dtype), lp.new_ones(())]) if valid else lp.new_zeros(2)
-        shared = gather_round(payload, step, cp_group, sizes=(2,) * len(step.target_sizes))
+        lps = step.split(lp)
+        ents = step.split(ent) if with_entropy else [None] * len(lps)
+        batch_losses = [_response_loss(loss_fn, i, lp_i, ent_i, with_entropy)
+                        for i, lp_i, ent_i in zip(step.batch, lps, ents, strict=True)]
+        # losses and validity of every rank's responses before any rank starts a backward (with its collectives)
+        payloads = [
+            torch.stack([loss.detach().to(lp.dtype), lp.new_ones(())])
+            if isinstance(loss, torch.Tensor) and loss.dim() == 0 else lp.new_zeros(2)
+            for loss in batch_losses
+        ]
+        shared = gather_round(payloads, step, cp_group, sizes=(2,) * len(step.target_sizes))
         for i, (value, ok) in shared.items():
             if not ok:
                 raise ValueError(f"loss_fn must return a scalar tensor; it did not for response {i}")
             losses[i] = value
         if return_log_probs:
-            log_probs.update(gather_round(lp, step, cp_group))
+            log_probs.update(gather_round(lps, step, cp_group))
             if with_entropy:
-                entropies.update(gather_round(ent, step, cp_group))
-        loss.backward()
+                entropies.update(gather_round(ents, step, cp_group))
+        torch.autograd.backward(batch_losses)  # one backward for the batch
         if exact and leaves is not None:
             state_grads = accumulate_state_grads(leaves, state_grads, state_grad_on_host)
-        stats.response_tokens += len(step.targets) if step.response is not None else 0
+        stats.response_tokens += step.real_tokens
     stats.replay_s += watch.seconds()
 
     if exact and leaves is not None:

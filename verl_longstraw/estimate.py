@@ -13,7 +13,8 @@
   the gradients in the model's dtype that one response's backward hands the state leaves before
   they are added into the sums (exact);
 - ``saved_peak_bytes``: the peak of tensors saved for backward (what ``SavedTensorMeter``
-  counts), the larger of the replay phase (one response of T tokens after the rank's rows) and,
+  counts), the larger of the replay phase (a batch of k responses of T tokens after the rank's rows, k from
+  the replay budget ``replay_tokens``; one response under CP) and,
   in exact mode, the prompt backward (the last chunks, whose prefix is longest). Under CP both
   include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
   chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
@@ -41,6 +42,7 @@ import transformers
 from .adapters import adapter_for
 from .ops import attention as attention_ops
 from .parallel.layout import PromptLayout
+from .replay import REPLAY_TOKENS
 from .state import StateSpec
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
@@ -79,7 +81,7 @@ class MemoryEstimate:
     boundary_bytes: int  # exact mode: the fixed-size state kept at every chunk start but the last
     state_grad_bytes: int  # exact mode: float32 sums of the state gradients (on the host with ``state_grad_on_host``)
     state_leaf_grad_bytes: int  # exact mode: the gradients one response's backward leaves on the state (model dtype)
-    replay_saved_bytes: int  # saved for backward while a response replays (pass-Q included)
+    replay_saved_bytes: int  # saved for backward while a batch of ``replay_batch`` responses replays (pass-Q incl.)
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
     score_block_bytes: int  # CP: pass-Q's float32 scores and probabilities of one key block, one layer (transient)
@@ -87,6 +89,7 @@ class MemoryEstimate:
     chunk_size: int | None
     cp_size: int
     state_grad_on_host: bool
+    replay_batch: int = 1  # responses per replay forward (k)
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -251,20 +254,43 @@ class _Shapes:
         last_layer_stops: bool,
         consecutive: bool,
         checkpointed: bool,
+        batch: int = 1,
     ) -> tuple[int, int]:
-        """(saved bytes, of which pass-Q) of a segment of ``tokens`` on this rank, ``queries`` gathered from all
-        ranks (see ``segment_saved``). ``checkpointed``: every layer keeps only its input hidden state and the
-        backward recomputes one layer at a time, so the segment holds the inputs plus the largest layer's saves."""
+        """(saved bytes, of which pass-Q) of a segment of ``tokens`` on this rank (``batch`` such sequences after the
+        same state in one forward), ``queries`` gathered from all ranks (see ``segment_saved``). ``checkpointed``:
+        every layer keeps only its input hidden state and the backward recomputes one layer at a time, so the
+        segment holds the inputs plus the largest layer's saves."""
         if not checkpointed:
             pass_q = self.pass_q_saved(queries, last_layer_stops)
-            return pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive), pass_q
+            return pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive,
+                                               batch=batch), pass_q
         largest = (0, 0)
         for idx in range(len(self.kinds)):
             pass_q = self.pass_q_saved(queries, last_layer_stops, {idx})
-            one = pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive, {idx})
+            one = pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive, {idx}, batch)
             largest = max(largest, (one, pass_q))
-        inputs = len(self.kinds) * tokens * self.config.hidden_size * self.act
+        inputs = len(self.kinds) * batch * tokens * self.config.hidden_size * self.act
         return inputs + largest[0], largest[1]
+
+    def shared_prefix_saved(self, kind: str, idx: int, batch: int, tokens: int, prefix: int, state_len: int) -> int:
+        """Bytes ``adapters.base.shared_prefix_attention`` saves in layer ``idx`` for ``batch`` sequences of
+        ``tokens`` after ``prefix`` state rows (buffers of ``state_len``): for each of its two partial attentions
+        (the batch x tokens query rows over the prefix keys; each sequence over its own keys), the dense op's two
+        score-sized float32 tensors, its float32 keys/values and scaled queries, or past
+        ``ops.attention.SCORES_BYTES_LIMIT`` the blocked op's queries, output and logsumexp (and, over the prefix,
+        the state buffer its views keep alive)."""
+        heads, dim, v_dim = self.attention_dims(kind)
+        kv_heads = 1 if kind == "mla" else self.kv_heads
+        rows = heads * batch * tokens
+        total = 0
+        for keys, key_rows in ((prefix, prefix), (tokens, batch * tokens)):
+            scores = rows * keys * self.compute
+            if scores <= attention_ops.SCORES_BYTES_LIMIT:
+                total += 2 * scores + (kv_heads * key_rows * (dim + v_dim) + rows * dim) * self.compute
+            else:
+                total += rows * (dim + v_dim + 1) * self.compute + (self.attended_row_bytes[idx] * state_len
+                                                                    if key_rows == prefix else 0)
+        return total
 
     def segment_saved(
         self,
@@ -274,10 +300,12 @@ class _Shapes:
         last_layer_stops: bool,
         consecutive: bool,
         layers: Collection[int] | None = None,
+        batch: int = 1,
     ) -> int:
         """Saved bytes of one segment of ``tokens`` (on this rank) after ``prefix`` state rows (buffers of
         ``state_len`` rows), pass-Q excluded; ``consecutive``: the ranks' tokens continue one another (a prompt
-        chunk under CP). ``layers``: count only these layers (None: all)."""
+        chunk under CP). ``layers``: count only these layers (None: all). ``batch``: that many sequences of
+        ``tokens`` replay together after the same state (one process; attention ``shared_prefix_saved``)."""
         total = 0.0
         masks: set[int] = set()
         for idx, kind in enumerate(self.kinds):
@@ -285,13 +313,17 @@ class _Shapes:
                 continue
             row_bytes = self.attended_row_bytes[idx]
             if last_layer_stops and idx == len(self.kinds) - 1:  # only its norm and state projections run
-                total += tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
+                total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
-            total += tokens * self.token_bytes(idx, kind)
-            if kind == "linear":  # the chunked rule pads the segment to whole chunks
-                total += (-tokens % GDN_CHUNK_LEN) * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
+            total += batch * tokens * self.token_bytes(idx, kind)
+            if kind == "linear":  # the chunked rule pads each sequence to whole chunks
+                padding = batch * (-tokens % GDN_CHUNK_LEN)
+                total += padding * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
                 if consecutive and self.cp_size > 1:
                     total += self.gdn_affine_merge_bytes(tokens)
+                continue
+            if batch > 1:
+                total += self.shared_prefix_saved(kind, idx, batch, tokens, prefix, state_len)
                 continue
             if self.cp_size > 1:  # pass-Q: the blocked op over this rank's state buffer and own rows; the query
                 # and output it saves are the gathered rows (``pass_q_saved``), not this rank's own
@@ -328,10 +360,14 @@ def estimate_memory(
     state_grad_on_host: bool = False,
     rank: int = 0,
     checkpointed: bool = False,
+    replay_tokens: int = REPLAY_TOKENS,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
-    for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens
-    (responses replay one per rank at a time, so G only scales time).
+    for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens.
+
+    One process replays k = max(1, min(G, ``replay_tokens`` // ``response_len``)) responses per forward (the
+    replay's saved-for-backward peak and logits are those of k responses of ``response_len``; k = 1 gives the
+    one-response figures); under CP one response per rank per round. Beyond k, G only scales time.
 
     The rank's rows come from the layout the core uses (``parallel.layout.PromptLayout``). Rank 0
     holds the most rows (ranks differ by at most one row per chunk), so its figures bound every
@@ -353,7 +389,7 @@ def estimate_memory(
     (qwen3_5) the checkpointed total, and at 1.0-1.4x the plain one.
     """
     return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
-                     state_grad_on_host, rank, checkpointed=checkpointed)
+                     state_grad_on_host, rank, checkpointed=checkpointed, replay_tokens=replay_tokens)
 
 
 def _estimate(
@@ -369,6 +405,7 @@ def _estimate(
     state_grad_on_host: bool,
     rank: int,
     checkpointed: bool,
+    replay_tokens: int,
 ) -> MemoryEstimate:
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
@@ -393,10 +430,12 @@ def _estimate(
 
     real = min(group_size, cp_size)  # the first round: a response on each of min(G, R) ranks, 1-token dummies after
     replay_queries = real * response_len + (cp_size - real)
+    batch = max(1, min(group_size, replay_tokens // response_len)) if cp_size == 1 else 1  # ``replay_batches``
     replay, replay_pass_q = shapes.saved(
-        response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed
+        response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed,
+        batch=batch,
     )
-    replay += int(response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
+    replay += int(batch * response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
     score_block = shapes.pass_q_score_block(replay_queries, rows + response_len)
     if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
         score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
@@ -424,6 +463,7 @@ def _estimate(
         chunk_size=chunk_size,
         cp_size=cp_size,
         state_grad_on_host=state_grad_on_host,
+        replay_batch=batch,
     )
 
 
@@ -519,7 +559,8 @@ class Training:
     ``prompt_grad``, ``cp_size`` (context_parallel_size R = the FSDP shard group) and ``state_grad_on_host``;
     veRL's FSDP2 settings: ``offload_policy`` (fp32 parameter and gradient shards and the optimizer step on
     the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
-    ``reduce_dtype``, and ``checkpointing`` (``enable_gradient_checkpointing``)."""
+    ``reduce_dtype``, and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
+    (the replay batch's token budget)."""
 
     prompt_len: int
     group_size: int
@@ -533,6 +574,7 @@ class Training:
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     checkpointing: bool = True
+    replay_tokens: int = REPLAY_TOKENS
 
 
 @dataclass(frozen=True)
@@ -589,13 +631,16 @@ def gpu_table(
     pair = n.largest_pair
     unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
-                        run.param_dtype, specs, r, run.state_grad_on_host, checkpointed=run.checkpointing)
+                        run.param_dtype, specs, r, run.state_grad_on_host, checkpointed=run.checkpointing,
+                        replay_tokens=run.replay_tokens)
     preflight = e.total_bytes + unsharded + grads  # the engine's pre-flight figure (same functions)
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
         return (0, nbytes) if on_host else (nbytes, 0)
 
     replay_peak = e.replay_saved_bytes >= e.prompt_backward_saved_bytes
+    replayed = (f"one {run.response_len}-token response" if e.replay_batch == 1
+                else f"a batch of {e.replay_batch} {run.response_len}-token responses")
     mode = "checkpointed" if run.checkpointing else "no checkpointing"
     rows = (
         (f"fp32 parameter shards: 4 B x N / R (N = {n.total / 1e9:.2f}e9 parameters, R = {r})",
@@ -614,7 +659,7 @@ def gpu_table(
         ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
         ("pass-Q score blocks: float32 scores and probabilities of one key block, one layer (transient)",
          e.score_block_bytes, 0),
-        (f"saved for backward, replay of one {run.response_len}-token response ({mode}; pass-Q "
+        (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
          e.replay_saved_bytes, 0),
         (f"saved for backward, recompute of one {run.chunk_size}-token prompt chunk ({mode}; pass-Q "

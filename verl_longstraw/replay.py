@@ -3,8 +3,11 @@
 Phases for one GRPO group (prompt ``p`` of P tokens, responses ``r_i``):
 1. capture: run ``p[:-1]`` without autograd, chunk by chunk, keeping each layer's state;
 2. replay: for each response run ``[p[-1]] + r_i[:-1]`` against the state (positions
-   P-1 ...), score ``r_i``, and backpropagate its loss at once (one response graph alive);
-3. exact mode: the state was a leaf; after each response's backward its ``.grad`` is added
+   P-1 ...), score ``r_i``, and backpropagate its loss at once. Responses replay in batches of
+   k (``replay_batches``: k x the longest within a token budget), one forward of [k, T_max]
+   right-padded inputs per batch with the state broadcast over the k responses (never copied per
+   response), one backward per batch (one batch graph alive);
+3. exact mode: the state was a leaf; after each batch's backward its ``.grad`` is added
    into a float32 sum (so bfloat16 models sum the G responses' state gradients in float32),
    giving d(sum of losses)/d(state); recompute the prompt chunk by chunk in reverse, from each chunk's boundary
    state, and backpropagate those gradients (plus the gradient the later chunks sent back
@@ -16,16 +19,17 @@ FSDP2's ``cast_forward_inputs`` (bf16 mixed precision) never rounds the float32 
 
 Context parallel (a process group of R ranks, ``verl_longstraw.parallel``): every rank runs the
 same phases with the same calls, on its sub-slice of every chunk (``PromptChunk.sharding``) and
-on its response of every replay round (``response_rounds``); the adapters' mixers then attend
-and hand state across the ranks.
+on its response of every replay round (``response_rounds``: one response per rank, never batched);
+the adapters' mixers then attend and hand state across the ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .adapters import Adapter
 from .adapters.base import call_as
@@ -94,17 +98,47 @@ def response_inputs(prompt_ids: torch.Tensor, response: torch.Tensor) -> torch.T
     return torch.cat([prompt_ids[-1:], response[:-1]])
 
 
+REPLAY_TOKENS = 8192  # default token budget of one replay batch: k responses padded to the longest, k x T_max
+
+
+def replay_batches(lengths: Sequence[int], replay_tokens: int) -> list[list[int]]:
+    """Response indices packed in order into batches whose padded size k x max(T_i) stays within ``replay_tokens``
+    (a response longer than the budget replays alone)."""
+    batches: list[list[int]] = []
+    longest = 0
+    for i, length in enumerate(lengths):
+        if batches and (len(batches[-1]) + 1) * max(longest, length) <= replay_tokens:
+            batches[-1].append(i)
+            longest = max(longest, length)
+        else:
+            batches.append([i])
+            longest = length
+    return batches
+
+
 @dataclass(frozen=True)
 class ReplayStep:
-    """What this rank replays in one round: ``response`` index (None: a one-token dummy that keeps the
-    ranks' calls matched), input tokens and target tokens, and the round's ``sharding``."""
+    """What this rank replays in one step: the indices of its ``batch`` of k responses (k >= 1 in one process;
+    one per rank under CP, None: a one-token dummy that keeps the ranks' calls matched), input tokens ([T] for
+    a CP round, [k, T_max] right-padded in one process), target tokens [k * T_max] (padded like the inputs),
+    each response's target count ``lengths``, and the round's ``sharding``."""
 
-    response: int | None
+    batch: tuple[int | None, ...]
     inputs: torch.Tensor
     targets: torch.Tensor
+    lengths: tuple[int, ...]
     sharding: SegmentSharding | None
-    target_sizes: tuple[int, ...]  # every rank's target count this round (for gathering results)
-    responses: tuple[int | None, ...]  # every rank's response index this round
+    target_sizes: tuple[int, ...]  # every rank's target count this round (CP, for gathering results)
+    responses: tuple[int | None, ...]  # every rank's response index this round (CP)
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token ``values`` [k * T_max] of the step -> each response's [T_i] (padding dropped; views)."""
+        return [row[:n] for row, n in zip(values.view(len(self.batch), -1), self.lengths, strict=True)]
+
+    @property
+    def real_tokens(self) -> int:
+        """Target tokens of this rank's real responses (dummies and padding excluded)."""
+        return sum(n for i, n in zip(self.batch, self.lengths, strict=True) if i is not None)
 
 
 def response_rounds(
@@ -113,10 +147,20 @@ def response_rounds(
     chunks: list[PromptChunk],
     state_rows: tuple[int, ...],
     group: comm.Group = None,
+    replay_tokens: int = REPLAY_TOKENS,
 ) -> Iterator[ReplayStep]:
-    """This rank's replay steps: every response in turn in one process; one response per rank per round
-    under CP (``ReplayRounds``), each rank against its ``state_rows[rank]`` prompt-state rows (this rank's
-    rows: those of its capture ``chunks``)."""
+    """This rank's replay steps. One process: the ``replay_batches`` of ``replay_tokens``, each one forward of k
+    right-padded responses against the (broadcast) prompt state. CP: one response per rank per round
+    (``ReplayRounds``; ``replay_tokens`` unused), each rank against its ``state_rows[rank]`` prompt-state rows
+    (this rank's rows: those of its capture ``chunks``)."""
+    if group is None:
+        for batch in replay_batches([len(r) for r in responses], replay_tokens):
+            targets = [responses[i] for i in batch]
+            inputs = pad_sequence([response_inputs(prompt_ids, t) for t in targets], batch_first=True)
+            lengths = tuple(len(t) for t in targets)
+            yield ReplayStep(tuple(batch), inputs, pad_sequence(targets, batch_first=True).flatten(), lengths, None,
+                             lengths, tuple(batch))
+        return
     spans = tuple((c.start, c.end) for c in chunks)
     world = comm.group_size(group)
     rounds = ReplayRounds(len(responses), world)
@@ -125,21 +169,21 @@ def response_rounds(
         indices = tuple(rounds.response(round_index, r) for r in range(world))
         targets = [responses[i] if i is not None else dummy for i in indices]
         sizes = tuple(len(t) for t in targets)
-        sharding = None if group is None else SegmentSharding(group, sizes, state_rows, False, prefix_spans=spans)
+        sharding = SegmentSharding(group, sizes, state_rows, False, prefix_spans=spans)
         mine = targets[comm.group_rank(group)]
         own = indices[comm.group_rank(group)]
         inputs = response_inputs(prompt_ids, mine) if own is not None else dummy
-        yield ReplayStep(own, inputs, mine, sharding, sizes, indices)
+        yield ReplayStep((own,), inputs, mine, (len(mine),), sharding, sizes, indices)
 
 
 def gather_round(
-    values: torch.Tensor, step: ReplayStep, group: comm.Group, sizes: tuple[int, ...] | None = None
+    values: list[torch.Tensor], step: ReplayStep, group: comm.Group, sizes: tuple[int, ...] | None = None
 ) -> dict[int, torch.Tensor]:
-    """Every rank's ``values`` of one round (per token [T_r] unless ``sizes`` says otherwise), by response
-    index (dummies dropped); no autograd."""
+    """Every rank's ``values`` of one step (one tensor per response of ``step.batch``, per token [T_i] unless
+    ``sizes`` says otherwise), by response index (dummies dropped); no autograd."""
     if group is None:
-        return {step.response: values.detach()}
-    parts = comm.all_gather(values.detach().contiguous(), group, sizes or step.target_sizes)
+        return {i: v.detach() for i, v in zip(step.batch, values, strict=True)}
+    parts = comm.all_gather(values[0].detach().contiguous(), group, sizes or step.target_sizes)
     return {i: part for i, part in zip(step.responses, parts, strict=True) if i is not None}
 
 
@@ -151,9 +195,10 @@ def run_segment(
     with_logits: bool,
     sharding: SegmentSharding | None = None,
 ) -> torch.Tensor | list[LayerState]:
-    """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before).
+    """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before), or ``ids`` [B, S]:
+    B right-padded sequences after the same ``past``, in one forward (the state broadcast over them).
 
-    Returns logits [S, vocab] with ``with_logits``; otherwise each layer's segment state
+    Returns logits [B * S, vocab] (B = 1 for ids [S]) with ``with_logits``; otherwise each layer's segment state
     (the last layer stops once its state is known: its output is never read).
     """
 
@@ -229,7 +274,7 @@ def _grad_sum_buffer(shape: tuple[int, ...], like: torch.Tensor, on_host: bool) 
 def accumulate_state_grads(leaves: list[LayerState], grads: StateGrads | None, on_host: bool = False) -> StateGrads:
     """Add each state leaf's ``.grad`` into ``grads`` (float32, or float64 for float64 state) and clear it.
 
-    Called after every response's backward, so the sum over the G responses accumulates in
+    Called after every replay batch's backward, so the sum over the G responses accumulates in
     float32 even for a bfloat16 state; ``grads`` None starts the sums. With ``on_host`` the sums
     live in host memory, each leaf's gradient moved there as it arrives, one layer's tensor at a
     time. Returns the sums, one entry per state tensor

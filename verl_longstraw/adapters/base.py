@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops.attention import prefix_causal_attention
+from ..ops.attention import partial_attention, prefix_causal_attention
 from ..ops.gated_delta_rule import gated_delta_rule
-from ..parallel.attention import sharded_prefix_attention
+from ..parallel.attention import lse_weight, sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.segment import SegmentSharding
 from ..state import LayerState, StateSpec
@@ -48,7 +48,10 @@ class SegmentContext:
         return self.sharding is not None and self.sharding.consecutive
 
     def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
-        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group."""
+        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group; a batch of
+        B > 1 sequences after a batch-1 prefix goes to ``shared_prefix_attention`` (``key_mask`` [B, T, P + T])."""
+        if q.shape[0] != k_prefix.shape[0]:
+            return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
         if self.sharding is None:
             return prefix_causal_attention(
                 q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
@@ -76,6 +79,53 @@ class SegmentContext:
             return sharded_conv_input(x, conv_state, self.sharding.group, self.sharding.query_sizes)
         conv_in = torch.cat([conv_state, x], dim=-1)
         return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``prefix_causal_attention`` of B sequences that follow one shared prefix, which is never copied per sequence.
+
+    ``q`` [B, Hq, T, D], ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]: the sequences (right-padded: a
+    padded position is seen by later positions only); ``k_prefix`` [1, Hk, P, D], ``v_prefix`` [1, Hk, P, Dv]: the
+    prefix, broadcast; ``key_mask`` bool [B, T, P + T] or None restricts each query's keys further (DSA).
+    Returns [B, Hq, T, Dv] in q's dtype. Two partial attentions (``ops.attention.partial_attention``) merged
+    by their logsumexps: the B*T queries as rows of one batch-1 query [1, Hq, B*T, D] over the prefix keys (all
+    visible), and each sequence's queries causally over its own keys (batch B; one sequence at a time under a
+    ``key_mask``, whose own-key part differs per sequence).
+    """
+    batch, heads, length, _ = q.shape
+    prefix_len = k_prefix.shape[-2]
+    rows = q.transpose(0, 1).reshape(1, heads, batch * length, -1)
+    prefix_mask = None if key_mask is None else key_mask[..., :prefix_len].reshape(batch * length, prefix_len)
+    out_prefix, lse_prefix = partial_attention(
+        rows, k_prefix, v_prefix, k_prefix[..., :0, :], v_prefix[..., :0, :], scale, key_mask=prefix_mask
+    )
+    out_prefix = out_prefix.reshape(heads, batch, length, -1).transpose(0, 1)
+    lse_prefix = lse_prefix.reshape(heads, batch, length).transpose(0, 1)
+    if key_mask is None:
+        out_own, lse_own = partial_attention(q, k_self[..., :0, :], v_self[..., :0, :], k_self, v_self, scale)
+    else:
+        parts = [
+            partial_attention(q[b : b + 1], k_self[b : b + 1, :, :0], v_self[b : b + 1, :, :0], k_self[b : b + 1],
+                              v_self[b : b + 1], scale, key_mask=key_mask[b, :, prefix_len:])
+            for b in range(batch)
+        ]
+        out_own, lse_own = (torch.cat(t) for t in zip(*parts, strict=True))
+    lses = (lse_prefix, lse_own)
+    return (out_prefix * lse_weight(lse_prefix, lses) + out_own * lse_weight(lse_own, lses)).to(q.dtype)
+
+
+def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
+    """A fixed-size state [1, ...] for ``batch`` sequences: itself for one, else a contiguous copy [batch, ...]
+    (small: e.g. a Gated DeltaNet recurrent state; kernels such as flash-linear-attention's read it densely)."""
+    return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
 
 
 @contextmanager
@@ -162,7 +212,10 @@ class Adapter(ABC):
     def mix(
         self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
     ) -> tuple[torch.Tensor | None, LayerState]:
-        """Token mixer of layer ``idx``: normalised input ``x`` [1, S, hidden] -> (output [1, S, hidden], state).
+        """Token mixer of layer ``idx``: normalised input ``x`` [B, S, hidden] -> (output [B, S, hidden], state).
+
+        B is 1, or B > 1 right-padded responses replayed together after one batch-1 ``past`` (whose growing
+        tensors must be broadcast, never copied per response; ``SegmentContext.attention`` does so).
 
         Without ``need_output`` only the state is needed (the output may be None), e.g. the
         last layer while capturing a prompt: attention then skips attending.
@@ -190,8 +243,8 @@ class Adapter(ABC):
         return [self.state_specs(i) for i in range(self.num_layers)]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [S] -> hidden [1, S, hidden]."""
-        return self.backbone.embed_tokens(ids[None])
+        """ids [S] -> hidden [1, S, hidden]; ids [B, S] (right-padded sequences) -> [B, S, hidden]."""
+        return self.backbone.embed_tokens(ids if ids.dim() == 2 else ids[None])
 
     def context(self, h: torch.Tensor, start: int, sharding: SegmentSharding | None = None) -> SegmentContext:
         length = h.shape[1]
@@ -212,8 +265,8 @@ class Adapter(ABC):
         return (h + out, *state)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [1, S, hidden] -> logits [S, vocab]."""
-        return self.model.lm_head(self.backbone.norm(h))[0]
+        """hidden [B, S, hidden] -> logits [B * S, vocab] (the sequences' rows in turn)."""
+        return self.model.lm_head(self.backbone.norm(h)).flatten(0, 1)
 
 
 _REGISTRY: dict[str, type[Adapter]] = {}

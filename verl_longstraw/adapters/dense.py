@@ -22,7 +22,7 @@ def kv_specs(attn: nn.Module) -> tuple[StateSpec, ...]:
 def attention_mix(
     attn: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool = True
 ) -> tuple[torch.Tensor | None, LayerState]:
-    """GQA attention of segment ``x`` [1, S, hidden] over past K/V plus itself.
+    """GQA attention of segment ``x`` [B, S, hidden] over past K/V [1, ...] plus itself.
 
     Handles the optional per-head q/k RMSNorm (qwen3) and the sigmoid output gate packed
     into ``q_proj`` (qwen3_next / qwen3_5 full-attention layers).

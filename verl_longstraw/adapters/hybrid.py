@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import LayerState, StateSpec
-from .base import Adapter, SegmentContext, register
+from .base import Adapter, SegmentContext, per_sequence, register
 from .dense import attention_mix, empty_kv, kv_specs
 
 
@@ -38,15 +38,17 @@ def _project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def gated_deltanet_mix(
     mixer: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState
 ) -> tuple[torch.Tensor, LayerState]:
-    """Gated DeltaNet over segment ``x`` [1, S, hidden] continuing from (conv_state, recurrent_state).
+    """Gated DeltaNet over segment ``x`` [B, S, hidden] continuing from (conv_state, recurrent_state) [1, ...]
+    (copied per sequence for B > 1: fixed-size, and each sequence's state evolves on its own).
 
     The new conv state owns its storage (a view would keep the segment's whole conv input alive
     in every kept chunk boundary); the recurrent state stays float32 whatever the model's dtype.
     """
     conv_state, recurrent_state = past
-    seq_len = x.shape[1]
+    batch, seq_len = x.shape[:2]
     qkv, z, b, a = _project(mixer, x)
-    conv_in, new_conv_state = ctx.conv_input(qkv.transpose(1, 2), conv_state.to(qkv.dtype))  # [1, conv_dim, K-1+S]
+    conv_state = per_sequence(conv_state.to(qkv.dtype), batch)
+    conv_in, new_conv_state = ctx.conv_input(qkv.transpose(1, 2), conv_state)  # [B, conv_dim, K-1+S]
     weight = mixer.conv1d.weight
     mixed = F.silu(F.conv1d(conv_in, weight, mixer.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
     q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
@@ -58,9 +60,9 @@ def gated_deltanet_mix(
     groups = mixer.num_v_heads // mixer.num_k_heads
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    out, new_recurrent_state = ctx.delta_rule(q, k, v, g, beta, recurrent_state)
+    out, new_recurrent_state = ctx.delta_rule(q, k, v, g, beta, per_sequence(recurrent_state, batch))
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-    return mixer.out_proj(out.reshape(1, seq_len, -1)), (new_conv_state, new_recurrent_state)
+    return mixer.out_proj(out.reshape(batch, seq_len, -1)), (new_conv_state, new_recurrent_state)
 
 
 @register

@@ -35,7 +35,7 @@ def rope_is_interleaved(config, module: nn.Module) -> bool:
 
 
 def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
-    """DSA indexer keys [1, S, index_head_dim] (rope part first)."""
+    """DSA indexer keys [B, S, index_head_dim] (rope part first) of ``x`` [B, S, hidden]."""
     k = indexer.k_norm(indexer.wk(x))
     k_rope, k_pass = torch.split(k, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     return torch.cat([apply_rope(k_rope, ctx.cos, ctx.sin, interleaved), k_pass], dim=-1)
@@ -45,17 +45,21 @@ def _sparse_selection(
     indexer: nn.Module, x, q_resid, past_keys, keys, ctx: SegmentContext, interleaved: bool
 ) -> torch.Tensor | None:
     """Bool key mask of each query's top-k keys by indexer score (DSA), causal, or None where top-k keeps every
-    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``); ``past_keys``
-    [1, P(_r), index_head_dim] and ``keys`` [1, S, index_head_dim] the indexer keys of the prefix and segment."""
-    q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [1, S, H, D]
+    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``), [B, S, P + S]
+    for B > 1 sequences of ``x`` after one prefix (each selected alone, as one sequence would be); ``past_keys``
+    [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment."""
+    q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [B, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)
-    q = torch.cat([q_rope, q_pass], dim=-1)
-    weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [1, S, H]
-    return sharded_dsa_topk_mask(
-        q[0].float(), weights[0], past_keys[0].float(), keys[0].float(), indexer.softmax_scale, indexer.index_topk,
-        ctx.sharding,
-    )
+    q = torch.cat([q_rope, q_pass], dim=-1).float()
+    weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [B, S, H]
+    prefix = past_keys[0].float()
+    masks = [
+        sharded_dsa_topk_mask(q[b], weights[b], prefix, keys[b].float(), indexer.softmax_scale, indexer.index_topk,
+                              ctx.sharding)
+        for b in range(len(x))
+    ]
+    return masks[0] if len(masks) == 1 or masks[0] is None else torch.stack(masks)
 
 
 @register
@@ -99,12 +103,12 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         else:
             q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
             q = attn.q_b_proj(q_resid)
-        q = q.unflatten(-1, (heads, attn.qk_head_dim)).transpose(1, 2)  # [1, H, S, nope + rope]
+        q = q.unflatten(-1, (heads, attn.qk_head_dim)).transpose(1, 2)  # [B, H, S, nope + rope]
         q_nope, q_rope = torch.split(q, [nope, rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, interleaved)
         latent, k_rope = torch.split(attn.kv_a_proj_with_mqa(x), [rank, rope_dim], dim=-1)
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, interleaved)
-        segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [1, S, rank + rope]
+        segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [B, S, rank + rope]
         extra_state, mask = self._dsa_mask(idx, attn, x, q_resid, ctx, past)
         if not need_output:
             return None, (segment, *extra_state)
@@ -113,12 +117,16 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
         if self.absorbed:
             query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
-            prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, S, rank + rope]
+            prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, P, .], [B, 1, S, .]
             out = ctx.attention(query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask)
             out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
-        else:
-            state = torch.cat([past[0], segment], dim=1)
-            out = self._decompressed_attention(attn, q_nope, q_rope, state, mask, w_k, w_v)
+        else:  # the reference, one sequence at a time
+            masks = mask if mask is not None and mask.dim() == 3 else [mask] * len(x)
+            out = torch.cat([
+                self._decompressed_attention(attn, q_nope[b : b + 1], q_rope[b : b + 1],
+                                             torch.cat([past[0], segment[b : b + 1]], dim=1), masks[b], w_k, w_v)
+                for b in range(len(x))
+            ])
         out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
         return attn.o_proj(out), (segment, *extra_state)
 

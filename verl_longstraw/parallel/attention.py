@@ -34,6 +34,14 @@ from ..ops.blocked_attention import OwnKeyRule, compute_dtype, partial_attention
 from .comm import Group, all_gather, group_rank, group_size, reduce_scatter
 
 
+def lse_weight(logsumexp: torch.Tensor, logsumexps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Weight [..., N, 1] of a partial attention output with ``logsumexp`` [..., N] (over one of several disjoint key
+    sets) in their merge: exp(l - L), L the logsumexp over the sets' ``logsumexps`` (``logsumexp`` among them). The
+    weighted partial outputs sum to the attention over the union of the sets; a row that sees no key of a set
+    (l = -inf) gets weight 0 there."""
+    return (logsumexp - torch.logsumexp(torch.stack(list(logsumexps)), dim=0)).exp().unsqueeze(-1)
+
+
 def _check_sizes(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
@@ -106,6 +114,5 @@ def sharded_prefix_attention(
     out, logsumexp = partial_attention_blocked(
         queries, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size
     )
-    total = torch.logsumexp(torch.stack(all_gather(logsumexp, group)), dim=0)
-    weighted = out * (logsumexp - total).exp().unsqueeze(-1)
+    weighted = out * lse_weight(logsumexp, all_gather(logsumexp, group))
     return reduce_scatter(weighted.split(list(query_sizes), dim=-2), group, query_sizes, dim=-2).to(q.dtype)
