@@ -24,6 +24,8 @@ R table compares each engine's per-rank figures with its own R = 1 run on the sa
     python benchmarks/bench_engine.py            # R = 1, G 2 4 8, P 2048 8192 -> engine_results.*
     python benchmarks/bench_engine.py --ranks 1 2 --groups 8 --tag cp   # context parallel sweep -> engine_cp.*
     python benchmarks/bench_engine.py --smoke --out /tmp/bench          # seconds-long check of both R
+    python benchmarks/bench_engine.py --models qwen3 --prompt 8192 --groups 8 --response 1024 --baseline \
+        --tag throughput_t1024    # also longstraw's earlier two-pass, one-response-at-a-time path (speed-up table)
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ from verl_longstraw.machine import describe, machine  # noqa: E402
 from verl_longstraw.parallel.launch import run_ranks  # noqa: E402
 
 ENGINES = ("fsdp2", "longstraw")
+# --baseline: the longstraw engine on the path before issue 12's throughput work, in the same run: training
+# evaluates the loss on a no-grad replay, then replays again with autograd; every response replays alone
+BASELINE = "longstraw_two_pass"
+BASELINE_KNOBS = dict(single_forward=False, replay_tokens=1)
 OPS = ("compute_log_prob", "update_actor")
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3": dict(
@@ -88,7 +94,7 @@ MODELS: dict[str, dict[str, Any]] = {
 # the engine's per-step metrics (this rank's; seconds and bytes moved sum over micro-batches, sizes held take the max)
 LS_METRICS = ("capture_seconds", "replay_seconds", "prompt_backward_seconds", "prompt_state_bytes",
               "state_grad_device_bytes", "state_grad_host_bytes", "cp_collective_bytes", "peak_memory_gb")
-SMOKE = dict(models=["qwen3"], prompt=[64], groups=[2], response=8, ranks=[1, 2], tag="smoke")
+SMOKE = dict(models=["qwen3"], prompt=[64], groups=[2], response=8, ranks=[1, 2], tag="smoke", baseline=True)
 WARMUP = dict(prompt=64, group=2, response=8)
 
 
@@ -153,8 +159,8 @@ def rank_rows(engines: dict, configs: dict, prompt: int, group: int, response: i
     assert group % world == 0, f"G={group} must be a multiple of R={world} (fsdp2 splits the group over the ranks)"
     sync = dist.barrier if world > 1 else None
     rows = []
-    for name in ENGINES:
-        dp_rank, dp_size = (0, 1) if name == "longstraw" else (rank, world)
+    for name in engines:
+        dp_rank, dp_size = (rank, world) if name == "fsdp2" else (0, 1)
         td = testing.make_batch(1, group, seed=prompt + group, rank=dp_rank, world_size=dp_size,
                                 prompt_len=(prompt, prompt + 1), response_len=(response, response + 1))
         micro_batch = group // dp_size
@@ -186,35 +192,38 @@ def merge_ranks(per_rank: list[list[dict]], world: int) -> list[dict]:
     return merged
 
 
-def engine_configs(world: int, group: int, chunk_size: int | None) -> dict:
-    """Actor configs by engine for ``world`` ranks: FSDP2 shards over all of them; longstraw is one CP group."""
-    return {
-        "fsdp2": testing.actor_config("fsdp2", "token-mean", False, 0.0, group // world),
-        "longstraw": testing.actor_config("longstraw", "token-mean", False, 0.0, group,
-                                          context_parallel_size=world, chunk_size=chunk_size),
-    }
+def engine_configs(world: int, group: int, chunk_size: int | None, baseline: bool = False) -> dict:
+    """Actor configs by engine for ``world`` ranks: FSDP2 shards over all of them; longstraw is one CP group
+    (with ``baseline`` also the longstraw engine with ``BASELINE_KNOBS``)."""
+    configs = {"fsdp2": testing.actor_config("fsdp2", "token-mean", False, 0.0, group // world)}
+    for name, knobs in (("longstraw", {}), (BASELINE, BASELINE_KNOBS))[: 2 if baseline else 1]:
+        configs[name] = testing.actor_config("longstraw", "token-mean", False, 0.0, group,
+                                             context_parallel_size=world, chunk_size=chunk_size, **knobs)
+    return configs
 
 
-def build(path: str, world: int, group: int, chunk_size: int | None, rank: int = 0) -> tuple[dict, dict]:
+def build(path: str, world: int, group: int, chunk_size: int | None, rank: int = 0,
+          baseline: bool = False) -> tuple[dict, dict]:
     """(engines, actor configs) by engine name for the saved model at ``path``, warmed up on a tiny batch."""
-    configs = engine_configs(world, group, chunk_size)
-    engines = {name: testing.make_engine(name, path, configs[name], configs[name].ppo_micro_batch_size_per_gpu,
-                                         lr=1e-6) for name in ENGINES}
+    configs = engine_configs(world, group, chunk_size, baseline)
+    engines = {name: testing.make_engine(config.strategy, path, config, config.ppo_micro_batch_size_per_gpu,
+                                         lr=1e-6) for name, config in configs.items()}
     rank_rows(engines, configs, WARMUP["prompt"], WARMUP["group"], WARMUP["response"], rank, world)
     return engines, configs
 
 
 def cp_rank(rank: int, world: int, path: str, prompt: int, group: int, response: int, chunk_size: int | None,
-            threads: int) -> list[dict]:
-    """One spawned rank of an R = ``world`` case (``run_ranks``): build both engines, warm up, measure."""
+            threads: int, baseline: bool = False) -> list[dict]:
+    """One spawned rank of an R = ``world`` case (``run_ranks``): build the engines, warm up, measure."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
-    engines, configs = build(path, world, group, chunk_size, rank)
+    engines, configs = build(path, world, group, chunk_size, rank, baseline)
     return rank_rows(engines, configs, prompt, group, response, rank, world)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """longstraw / fsdp2 per (model, op, P, G, R) for seconds and peak RSS delta (per rank: the largest)."""
+    """longstraw / fsdp2 per (model, op, P, G, R) for seconds and peak RSS delta (per rank: the largest), and
+    with a baseline run its seconds and RSS delta and the speed-up baseline s / longstraw s."""
     by_key = {(r["model"], r["op"], r["P"], r["G"], r.get("R", 1), r["engine"]): r for r in rows}
     out = []
     for (model, op, prompt, group, world, engine), ls in by_key.items():
@@ -225,6 +234,10 @@ def ratios(rows: list[dict]) -> list[dict]:
                         longstraw_s=ls["seconds"], time_ratio=ls["seconds"] / st["seconds"],
                         fsdp2_mib=st["peak_rss_delta_mib"], longstraw_mib=ls["peak_rss_delta_mib"],
                         mem_ratio=ls["peak_rss_delta_mib"] / max(st["peak_rss_delta_mib"], 1e-9)))
+        base = by_key.get((model, op, prompt, group, world, BASELINE))
+        if base is not None:
+            out[-1].update(baseline_s=base["seconds"], speedup=base["seconds"] / ls["seconds"],
+                           baseline_mib=base["peak_rss_delta_mib"])
     return out
 
 
@@ -309,6 +322,23 @@ def markdown(result: dict) -> str:
             f"{q['time_ratio']:.2f} | {_per_rank(st, 'peak_rss_delta_mib')} | "
             f"{_per_rank(ls, 'peak_rss_delta_mib')} | {q['mem_ratio']:.2f} |"
         )
+    if any("speedup" in q for q in result["ratios"]):
+        lines += [
+            "",
+            f"longstraw against `{BASELINE}`, the same engine with {BASELINE_KNOBS} (the path before issue 12: "
+            "training replays every response twice, a no-grad pass for veRL's loss then one with autograd; "
+            "one response per forward) in the same run; speed-up = its seconds / longstraw's:",
+            "",
+            "| model | op | P | G | R | two-pass s | longstraw s | speed-up | two-pass MiB/rank | longstraw MiB/rank |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for q in result["ratios"]:
+            if "speedup" in q:
+                lines.append(
+                    f"| {q['model']} | {q['op']} | {q['P']} | {q['G']} | {q.get('R', 1)} | {q['baseline_s']:.2f} | "
+                    f"{q['longstraw_s']:.2f} | {q['speedup']:.2f} | {q['baseline_mib']:.0f} | "
+                    f"{q['longstraw_mib']:.0f} |"
+                )
     if result.get("rank_ratios"):
         lines += [
             "",
@@ -397,6 +427,8 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[1], help="R values: 1 in this process, "
                         "R > 1 as R spawned gloo ranks with longstraw.context_parallel_size R")
     parser.add_argument("--chunk-size", type=int, default=None, help="longstraw.chunk_size (default: whole prompt)")
+    parser.add_argument("--baseline", action="store_true",
+                        help=f"also run `{BASELINE}` (longstraw with {BASELINE_KNOBS}) for the speed-up table")
     parser.add_argument("--timeout-s", type=float, default=3600, help="hard limit for one R > 1 case")
     parser.add_argument("--smoke", action="store_true", help=f"seconds-long check: {SMOKE}")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -408,13 +440,14 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/bench_engine.py", *map(shlex.quote, sys.argv[1:])])
     threads = torch.get_num_threads()
     result = dict(command=command, machine=machine(), torch_threads=threads, models=args.models, P=args.prompt,
-                  G=args.groups, T=args.response, R=args.ranks, chunk_size=args.chunk_size,
+                  G=args.groups, T=args.response, R=args.ranks, chunk_size=args.chunk_size, baseline=args.baseline,
                   rank_threads=max(1, threads // max(args.ranks)), code_start=code_version(), rows=[])
     testing.init_dist()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         paths = {family: testing.save_tiny_model(family, f"{tmp}/{family}", **MODELS[family]) for family in args.models}
-        single = {family: build(path, 1, max(args.groups), args.chunk_size) for family, path in paths.items()
+        single = {family: build(path, 1, max(args.groups), args.chunk_size, baseline=args.baseline)
+                  for family, path in paths.items()
                   if 1 in args.ranks}
         for prompt in args.prompt:  # cheap cases first; results are rewritten after every case
             for family, path in paths.items():
@@ -425,7 +458,7 @@ def main() -> None:
                             per_rank = [rank_rows(*single[family], prompt, group, args.response)]
                         else:
                             per_rank = run_ranks(cp_rank, world, path, prompt, group, args.response, args.chunk_size,
-                                                 max(1, threads // world), timeout_s=args.timeout_s)
+                                                 max(1, threads // world), args.baseline, timeout_s=args.timeout_s)
                         rows = [dict(model=family, **r, load_average=load) for r in merge_ranks(per_rank, world)]
                         for r in rows:
                             print(json.dumps(r), flush=True)

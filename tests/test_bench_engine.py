@@ -17,11 +17,11 @@ def test_bench_engine_smoke_r1_r2(tmp_path):
                            tmp_path / "engine_smoke.json", timeout_s=900)
     rows = {(r["engine"], r["op"], r["R"]): r for r in report["rows"]}
     group = report["G"][0]
-    assert set(rows) == {(e, op, world) for e in ("fsdp2", "longstraw")
+    assert set(rows) == {(e, op, world) for e in ("fsdp2", "longstraw", "longstraw_two_pass")
                          for op in ("compute_log_prob", "update_actor") for world in (1, 2)}
     for (engine, op, world), row in rows.items():
         assert row["seconds"] > 0 and row["peak_rss_delta_mib"] >= 0, (engine, op, world)
-        assert row["rows_per_rank"] == (group if engine == "longstraw" else group // world)
+        assert row["rows_per_rank"] == (group // world if engine == "fsdp2" else group)
         if world == 2:
             assert len(row["seconds_per_rank"]) == len(row["peak_rss_delta_mib_per_rank"]) == 2
             assert row["seconds"] == max(row["seconds_per_rank"])
@@ -32,9 +32,11 @@ def test_bench_engine_smoke_r1_r2(tmp_path):
         for held in cp["prompt_state_bytes_per_rank"]:  # qwen3: token rows only, split over the 2 ranks
             assert 0.45 < held / single["prompt_state_bytes"] < 0.56, (op, held, single["prompt_state_bytes"])
     assert rows["longstraw", "update_actor", 2]["state_grad_device_bytes"] > 0
+    assert all(q["speedup"] == q["baseline_s"] / q["longstraw_s"] for q in report["ratios"])
     assert {(q["op"], q["R"]) for q in report["ratios"]} == {(op, w) for op in ("compute_log_prob", "update_actor")
                                                               for w in (1, 2)}
-    assert {(q["engine"], q["op"]) for q in report["rank_ratios"]} == {(e, op) for e in ("fsdp2", "longstraw")
+    assert {(q["engine"], q["op"]) for q in report["rank_ratios"]} == {(e, op) for e in
+                                                                       ("fsdp2", "longstraw", "longstraw_two_pass")
                                                                        for op in ("compute_log_prob", "update_actor")}
     assert report["machine"]["cpu"] and report["machine"]["versions"]["verl"]
     assert report["machine"]["overrides"].get("OMP_WAIT_POLICY") == "PASSIVE"
@@ -42,4 +44,5 @@ def test_bench_engine_smoke_r1_r2(tmp_path):
     md = (tmp_path / "engine_smoke.md").read_text()
     assert f"Machine at the start: {report['machine']['cpu']}" in md and report["code_start"]["commit"] in md
     assert "| qwen3 | update_actor | 64 | 2 | 2 | 1 |" in md  # the R = 2 row: fsdp2 with one row per rank
+    assert "| two-pass s | longstraw s | speed-up |" in md
     assert (tmp_path / "engine_smoke.png").stat().st_size > 0

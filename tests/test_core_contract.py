@@ -10,9 +10,11 @@ from verl_longstraw.tiny import DENSE_VARIANTS, VOCAB, tiny_model
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
+    """Peak bytes saved for backward of one group of 32-token responses at a fixed budget of two responses."""
     prompt, responses = make_group(VOCAB, 512, [32] * group_size)
     with parameter_meter(model) as meter:
-        group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size)
+        group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size,
+                       replay_tokens=64)
     return meter.peak
 
 

@@ -322,7 +322,11 @@ class _Shapes:
                 if consecutive and self.cp_size > 1:
                     total += self.gdn_affine_merge_bytes(tokens)
                 continue
-            if batch > 1:
+            rows = self.attention_rows(kind) * tokens
+            # ops.fused_attention takes every call with value dim == key dim and no key mask (not MLA) that has a
+            # prefix or folded heads, shared prefix included; it saves what the blocked op saves
+            fused = kind != "mla" and (prefix > 0 or rows > tokens)
+            if batch > 1 and not fused:
                 total += self.shared_prefix_saved(kind, idx, batch, tokens, prefix, state_len)
                 continue
             if self.cp_size > 1:  # pass-Q: the blocked op over this rank's state buffer and own rows; the query
@@ -330,11 +334,10 @@ class _Shapes:
                 heads, dim, v_dim = self.attention_dims(kind)
                 total += row_bytes * (state_len + tokens) - tokens * heads * (dim + v_dim) * self.act
                 continue
-            rows = self.attention_rows(kind) * tokens
             keys = prefix + tokens
             blocked = prefix > 0 and rows * keys * self.act > attention_ops.MASK_BYTES_LIMIT
-            if blocked:  # the op saves the prefix views, i.e. the whole state buffer, plus its own rows
-                total += row_bytes * (state_len + tokens)
+            if fused or blocked:  # the op saves the prefix views, i.e. the whole state buffer, plus its own rows
+                total += row_bytes * (state_len + batch * tokens)
                 continue
             if kind == "mla":  # key dim != value dim: the math backend saves probabilities, not the mask
                 rank = self.config.kv_lora_rank

@@ -72,6 +72,8 @@ def test_shipped_config_declares_every_knob_with_its_default():
         (["actor_rollout_ref.actor.longstraw.context_parallel_size=0"], "context_parallel_size"),
         (["actor_rollout_ref.actor.longstraw.state_grad_on_host=maybe"], "state_grad_on_host"),
         (["actor_rollout_ref.actor.longstraw.memory_budget_gb=-1"], "memory_budget_gb"),
+        (["actor_rollout_ref.actor.longstraw.replay_tokens=0"], "replay_tokens"),
+        (["actor_rollout_ref.actor.longstraw.single_forward=sometimes"], "single_forward"),
         ([CP2, "actor_rollout_ref.actor.use_dynamic_bsz=true"], "use_dynamic_bsz"),
         ([CP2, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
          r"ppo_micro_batch_size_per_gpu=4.*multiple of 8"),

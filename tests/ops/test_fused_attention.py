@@ -49,6 +49,27 @@ def test_matches_reference_and_blocked(case: str, dtype: torch.dtype) -> None:
             torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[dtype], rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("case", ["gqa", "mqa", "mha_uneven"])
+def test_shared_prefix_equals_a_copy_per_sequence(case: str) -> None:
+    """A batch-1 prefix shared by B sequences (batched replay) gives the outputs and gradients of a prefix
+    copied per sequence; the prefix's gradient is the sum over the sequences."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim = CASES[case]
+    batch = 3
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float64)
+    inputs["k_prefix"], inputs["v_prefix"] = inputs["k_prefix"][:1], inputs["v_prefix"][:1]
+    out, grads = run_with_grads(fused, inputs, dim**-0.5)
+
+    def copied(q, k_prefix, v_prefix, k_self, v_self, scale):
+        expand = (batch, *k_prefix.shape[1:])
+        return prefix_causal_attention_reference(q, k_prefix.expand(expand), v_prefix.expand(expand), k_self,
+                                                 v_self, scale)
+
+    ref_out, ref_grads = run_with_grads(copied, inputs, dim**-0.5)
+    torch.testing.assert_close(out, ref_out, atol=TOL[torch.float64], rtol=0)
+    for name in NAMES:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=TOL[torch.float64], rtol=0, msg=name)
+
+
 def test_gradcheck() -> None:
     inputs = make_inputs(1, 4, 2, 3, 5, 4, 4, torch.float64)
     assert torch.autograd.gradcheck(lambda *xs: fused(*xs, 0.5), tuple(inputs.values()), fast_mode=True)

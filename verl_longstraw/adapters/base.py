@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops.attention import partial_attention, prefix_causal_attention
+from ..ops.attention import ATTENTION_PATHS, partial_attention, prefix_causal_attention
+from ..ops.fused_attention import fused_dtype
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..parallel.attention import lse_weight, sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
@@ -48,10 +49,16 @@ class SegmentContext:
         return self.sharding is not None and self.sharding.consecutive
 
     def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
-        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group; a batch of
-        B > 1 sequences after a batch-1 prefix goes to ``shared_prefix_attention`` (``key_mask`` [B, T, P + T])."""
+        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group.
+
+        A batch of B > 1 sequences after a batch-1 prefix goes to the fused kernels where they take it (they read
+        the shared prefix once for all B*T queries), else to ``shared_prefix_attention`` (``key_mask`` [B, T, P + T]).
+        """
         if q.shape[0] != k_prefix.shape[0]:
-            return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
+            if k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix per sequence is free
+                k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
+            elif key_mask is not None or fused_dtype(q, k_prefix, v_prefix, k_self, v_self) is None:
+                return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
         if self.sharding is None:
             return prefix_causal_attention(
                 q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
@@ -100,6 +107,7 @@ def shared_prefix_attention(
     visible), and each sequence's queries causally over its own keys (batch B; one sequence at a time under a
     ``key_mask``, whose own-key part differs per sequence).
     """
+    ATTENTION_PATHS["shared_prefix_partial"] += 1
     batch, heads, length, _ = q.shape
     prefix_len = k_prefix.shape[-2]
     rows = q.transpose(0, 1).reshape(1, heads, batch * length, -1)

@@ -31,6 +31,10 @@ class LongStrawConfig(BaseConfig):
             make it fit, instead of running out of memory mid-step.
         memory_budget_gb: GiB per device the pre-flight check allows; None (default) uses the
             device's free memory at the start of the step (host MemAvailable on CPU).
+        replay_tokens: response tokens replayed in one forward: responses of a group go k at a time with
+            k x (longest of the k) <= replay_tokens, the prompt state broadcast (``verl_longstraw.replay``);
+            memory grows with the budget, not with G. Default 8192 (one 8K response at a time); 1 replays
+            every response alone. Under context parallelism one response per rank per round.
         single_forward: in training, replay each response once and backpropagate its own loss term
             when veRL's loss is a sum of per-response terms (``integration.losses.splits_by_response``:
             ppo_loss with vanilla, gspo, gpg, ... policy losses); other losses, or false, take the
@@ -43,6 +47,7 @@ class LongStrawConfig(BaseConfig):
     state_grad_on_host: bool = False
     preflight: bool = True
     memory_budget_gb: Optional[float] = None
+    replay_tokens: int = 8192
     single_forward: bool = True
 
     def __post_init__(self) -> None:
@@ -60,6 +65,9 @@ class LongStrawConfig(BaseConfig):
                 f"{where}.context_parallel_size={self.context_parallel_size!r} must be a positive integer "
                 "(1: no context parallelism)."
             )
+        if not _positive_int(self.replay_tokens):
+            raise ValueError(f"{where}.replay_tokens={self.replay_tokens!r} must be a positive integer (response "
+                             "tokens per replay forward; 1: one response at a time).")
         for name in ("state_grad_on_host", "preflight", "single_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}.{name}={getattr(self, name)!r} must be true or false.")

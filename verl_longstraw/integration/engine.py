@@ -236,7 +236,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
             self.longstraw.chunk_size, "detached" if forward_only else self.longstraw.prompt_grad,
             self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
-            state_grad_on_host=self.longstraw.state_grad_on_host,
+            state_grad_on_host=self.longstraw.state_grad_on_host, replay_tokens=self.longstraw.replay_tokens,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
         )
 
@@ -337,6 +337,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     stats=stats,
                     state=state,
                     cp_group=cp_group,
+                    replay_tokens=self.longstraw.replay_tokens,
                 )
                 lps, ents = out if calculate_entropy else (out, None)
                 for k, row in enumerate(frag.rows):
@@ -400,6 +401,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     stats=stats,
                     cp_group=self.get_context_parallel_group(),
                     state_grad_on_host=self.longstraw.state_grad_on_host,
+                    replay_tokens=self.longstraw.replay_tokens,
                     return_log_probs=True,
                 )
             for k, row in enumerate(frag.rows):
@@ -449,6 +451,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     state=state,
                     cp_group=self.get_context_parallel_group(),
                     state_grad_on_host=self.longstraw.state_grad_on_host,
+                    replay_tokens=self.longstraw.replay_tokens,
                 )
 
 

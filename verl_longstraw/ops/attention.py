@@ -107,6 +107,7 @@ def prefix_causal_attention(
     - ``sdpa_is_causal``: no prefix, no key mask, unfolded heads: one SDPA call without a mask;
     - ``fused_flash_cpu`` / ``fused_flash_cuda``: otherwise without a key mask where the fused kernels take
       the inputs (``fused_dtype``: value dim == key dim, ...): two flash-attention calls merged by logsumexp;
+      the only path that also takes a prefix of batch 1 shared by B > 1 sequences of ``q``;
     - ``sdpa_mask``: else one SDPA call while its explicit mask [G*T, P + T] stays within ``MASK_BYTES_LIMIT``;
     - ``blocked``: else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``.
     """

@@ -1,6 +1,8 @@
 """Prefix-causal attention from two fused flash-attention kernel calls merged by their logsumexp.
 
-Shapes as ``verl_longstraw.ops.attention``: ``q`` [B, Hq, T, D]; ``k_prefix``/``v_prefix`` [B, Hk, P, D];
+Shapes as ``verl_longstraw.ops.attention``: ``q`` [B, Hq, T, D]; ``k_prefix``/``v_prefix`` [B, Hk, P, D] or
+[1, Hk, P, D] (one prefix shared by the B sequences: its kernel call takes the B*T queries as rows of one
+batch-1 query, so the prefix is never copied per sequence);
 ``k_self``/``v_self`` [B, Hk, T, D] (value dim == key dim); Hq a multiple of Hk (the kernels share key
 heads themselves). Part 1 is q over the prefix (not causal), part 2 q over its own keys (causal,
 T x T, so top-left and bottom-right alignment agree). The merge: lse = logaddexp(lse1, lse2),
@@ -50,6 +52,16 @@ def fused_dtype(
     return q.dtype if accepted else None
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, ...] -> [1, H, B*T, ...]: B sequences' queries as the rows of one sequence (for a shared prefix)."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of ``_as_rows``: [1, H, B*T, ...] -> [B, H, T, ...]."""
+    return x.reshape(x.shape[1], batch, x.shape[2] // batch, *x.shape[3:]).transpose(0, 1)
+
+
 def _kernel_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -95,9 +107,12 @@ class _FusedPrefixCausalAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         xs = [x.to(dtype) for x in (q, k_prefix, v_prefix, k_self, v_self)]
         out, lse, own_extra = _kernel_forward(xs[0], xs[3], xs[4], True, scale)
-        prefix_extra = ()
+        prefix_extra, batch, shared = (), q.shape[0], k_prefix.shape[0] != q.shape[0]
         if k_prefix.shape[-2] > 0:
-            out_prefix, lse_prefix, prefix_extra = _kernel_forward(*xs[:3], False, scale)
+            q_prefix = _as_rows(xs[0]).contiguous() if shared else xs[0]
+            out_prefix, lse_prefix, prefix_extra = _kernel_forward(q_prefix, xs[1], xs[2], False, scale)
+            if shared:
+                out_prefix, lse_prefix = _from_rows(out_prefix, batch), _from_rows(lse_prefix, batch)
             total = torch.logaddexp(lse_prefix, lse)
             out = out_prefix * (lse_prefix - total).exp().unsqueeze(-1) + out * (lse - total).exp().unsqueeze(-1)
             lse = total
@@ -116,9 +131,15 @@ class _FusedPrefixCausalAttention(torch.autograd.Function):
         grad_q, grad_ks, grad_vs = _kernel_backward(grad_out, q_, ks, vs, out, lse, True, ctx.scale, own_extra)
         grad_kp, grad_vp = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)  # empty unless there is a prefix
         if k_prefix.shape[-2] > 0:
+            shared = k_prefix.shape[0] != q.shape[0]
+            per_query = (grad_out, q_, out, lse)
+            if shared:
+                per_query = tuple(_as_rows(x).contiguous() for x in per_query)
             grad_q_prefix, grad_kp, grad_vp = _kernel_backward(
-                grad_out, q_, kp, vp, out, lse, False, ctx.scale, prefix_extra
+                *per_query[:2], kp, vp, *per_query[2:], False, ctx.scale, prefix_extra
             )
+            if shared:
+                grad_q_prefix = _from_rows(grad_q_prefix, q.shape[0])
             grad_q = grad_q + grad_q_prefix
             grad_kp, grad_vp = grad_kp.to(k_prefix.dtype), grad_vp.to(v_prefix.dtype)
         return grad_q.to(q.dtype), grad_kp, grad_vp, grad_ks.to(k_self.dtype), grad_vs.to(v_self.dtype), None, None
