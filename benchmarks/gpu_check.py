@@ -55,8 +55,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.estimate import estimate_memory
-from verl_longstraw.integration.fsdp2 import held_unsharded, sync_gradients
 from verl_longstraw.machine import describe, machine
+
+try:  # the engine's FSDP2 helpers; their package loads veRL, which a bare GPU box may lack (the FSDP2 stage says so)
+    from verl_longstraw.integration.fsdp2 import held_unsharded, sync_gradients
+except ImportError:
+    held_unsharded = sync_gradients = None
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.ops import gated_delta_rule as gdn
 from verl_longstraw.ops.attention import ATTENTION_PATHS
@@ -173,6 +177,9 @@ def under_autocast(device: torch.device) -> Callable:
 def under_fsdp2(device: torch.device) -> Callable:
     """``run`` for ``errors_in`` on a fully_shard-ed model, as the engine runs one group per rank: held unsharded
     under autocast, gradients reduce-scattered by ``sync_gradients``; returns full (unsharded) gradients."""
+
+    if held_unsharded is None:
+        raise ImportError("the FSDP2 stage runs the engine's helpers (verl_longstraw.integration), which need veRL")
 
     def run(model, fn):
         model.zero_grad(set_to_none=True)  # the sharded gradients: reshard registers the sharded parameters
@@ -487,7 +494,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-seconds", type=float, default=480.0, help="the whole run stops within this")
     for stage, share in SHARES.items():
         parser.add_argument(f"--{stage}-seconds", type=float, default=None,
-                            help=f"this stage's time (default {share:.0%} of the budget after a reserve)")
+                            help=f"this stage's time (default {100 * share:.0f} percent of the budget after a reserve)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     end = started + max(args.budget_seconds - RESERVE_SECONDS, 0.1 * args.budget_seconds)
