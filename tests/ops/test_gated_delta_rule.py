@@ -143,6 +143,75 @@ def test_two_segments_equal_one_pass(fn, with_state: bool) -> None:
         torch.testing.assert_close(seg_grads[name], grads[name], atol=1e-10, rtol=0, msg=name)
 
 
+def make_grouped_inputs(seq_len: int, heads: int, v_heads: int, with_state: bool, seed: int = 0) -> dict:
+    """float64 leaves with ``heads`` key heads (q, k) and ``v_heads`` value heads (v, g, beta, state)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {
+        "q": torch.randn(B, seq_len, heads, DK, generator=gen, dtype=torch.float64),
+        "k": torch.randn(B, seq_len, heads, DK, generator=gen, dtype=torch.float64),
+        "v": torch.randn(B, seq_len, v_heads, DV, generator=gen, dtype=torch.float64),
+        "g": F.logsigmoid(torch.randn(B, seq_len, v_heads, generator=gen, dtype=torch.float64)),
+        "beta": torch.rand(B, seq_len, v_heads, generator=gen, dtype=torch.float64),
+        "initial_state": torch.randn(B, v_heads, DK, DV, generator=gen, dtype=torch.float64) if with_state else None,
+    }
+    return {name: None if x is None else x.requires_grad_() for name, x in inputs.items()}
+
+
+def repeat_first(fn):
+    """The old calling convention: q, k repeat_interleaved to the value heads, then the rule (what the hybrid
+    adapter did before the rule took grouped heads)."""
+
+    def repeated(q, k, v, g, beta, initial_state=None, **kwargs):
+        groups = v.shape[2] // k.shape[2]
+        return fn(q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2), v, g, beta, initial_state,
+                  **kwargs)
+
+    return repeated
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_reference])
+@pytest.mark.parametrize(("heads", "v_heads"), [(2, 4), (2, 2), (1, 3)])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_grouped_value_heads_match_repeat_first(fn, heads: int, v_heads: int, with_state: bool,
+                                                use_qk_l2norm: bool) -> None:
+    """q, k with H key heads and v, g, beta, state with HV = H * groups heads equal repeating q, k first
+    (value head j reads key head j // groups): outputs, final state and every gradient, float64."""
+    seq_len = 70 if fn is gated_delta_rule else 21  # the chunked rule crosses a 64-token chunk
+    inputs = make_grouped_inputs(seq_len, heads, v_heads, with_state)
+    if not use_qk_l2norm:
+        inputs["q"], inputs["k"] = (x.detach().mul(0.3).requires_grad_() for x in (inputs["q"], inputs["k"]))
+    out, state, grads = run_with_grads(fn, inputs, use_qk_l2norm=use_qk_l2norm)
+    old_out, old_state, old_grads = run_with_grads(repeat_first(fn), inputs, use_qk_l2norm=use_qk_l2norm)
+    assert out.shape == (B, seq_len, v_heads, DV) and state.shape == (B, v_heads, DK, DV)
+    torch.testing.assert_close(out, old_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(state, old_state, atol=1e-12, rtol=0)
+    assert grads.keys() == old_grads.keys() == set(NAMES[: 5 + with_state])
+    assert grads["q"].shape == grads["k"].shape == (B, seq_len, heads, DK)
+    for name in grads:
+        torch.testing.assert_close(grads[name], old_grads[name], atol=1e-12, rtol=0, msg=name)
+
+
+def test_grouped_chunked_matches_grouped_reference() -> None:
+    """The chunked rule and the recurrence agree on grouped heads, values and gradients."""
+    inputs = make_grouped_inputs(37, 2, 4, with_state=True)
+    out, state, grads = run_with_grads(gated_delta_rule, inputs, chunk_size=16)
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, inputs)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(state, ref_state, atol=1e-10, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_reference])
+@pytest.mark.parametrize(("q_heads", "k_heads", "v_heads"), [(2, 2, 3), (4, 2, 4), (2, 4, 4)])
+def test_bad_head_counts_raise(fn, q_heads: int, k_heads: int, v_heads: int) -> None:
+    inputs = {n: None if x is None else x.detach() for n, x in make_grouped_inputs(5, k_heads, v_heads, True).items()}
+    inputs["q"] = torch.randn(B, 5, q_heads, DK, dtype=torch.float64)
+    with pytest.raises(ValueError, match="heads"):
+        fn(*inputs.values())
+
+
 def test_empty_sequence_returns_initial_state() -> None:
     inputs = {n: None if x is None else x.detach() for n, x in make_inputs(0, torch.float32, True).items()}
     for fn in (gated_delta_rule, gated_delta_rule_reference):
@@ -181,6 +250,28 @@ def test_fla_dispatch_matches_reference(with_state: bool) -> None:
         assert (x.float() - ref).norm() <= 2e-2 * ref.norm(), name
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+    reason="needs CUDA and flash-linear-attention",
+)
+def test_fla_dispatch_grouped_value_heads() -> None:
+    """bf16 CUDA inputs with H=2 key heads and HV=4 value heads (passed un-repeated to fla >= 0.5): values and
+    gradients near the float32 reference on the same grouped inputs."""
+    inputs = make_grouped_inputs(130, 2, 4, with_state=True)
+    cuda = {
+        n: (x.float() if n == "initial_state" else x.bfloat16()).detach().cuda().requires_grad_()
+        for n, x in inputs.items()
+    }
+    out, state, grads = run_with_grads(gated_delta_rule, cuda)
+    ref_inputs = {n: x.detach().float().requires_grad_() for n, x in cuda.items()}
+    ref_out, ref_state, ref_grads = run_with_grads(gated_delta_rule_reference, ref_inputs)
+    assert out.shape == (B, 130, 4, DV) and grads["q"].shape == (B, 130, 2, DK)
+    results = {"out": (out, ref_out), "state": (state, ref_state)}
+    results.update({f"grad {n}": (grads[n], ref_grads[n]) for n in grads})
+    for name, (x, ref) in results.items():
+        assert (x.float() - ref).norm() <= 2e-2 * ref.norm(), name
+
+
 def test_kernel_path_is_logged_once(caplog) -> None:
     """The path the rule runs is logged once per process (here: the plain torch rule for CPU inputs)."""
     import logging
@@ -194,3 +285,18 @@ def test_kernel_path_is_logged_once(caplog) -> None:
         gated_delta_rule(*inputs.values())
     messages = [r.getMessage() for r in caplog.records if r.name == rule.__name__]
     assert messages == ["gated delta rule: plain torch chunked rule (cpu torch.float32 inputs)"]
+
+
+@pytest.mark.parametrize(
+    ("version", "native"), [("0.4.2", False), ("0.5.0", True), ("0.5.2", True), ("0.6.0.dev1", True), ("1.0", True)]
+)
+def test_fla_grouped_heads_version_gate(monkeypatch, version: str, native: bool) -> None:
+    """fla >= 0.5 takes q, k with H key heads and v with HV value heads (native GVA); older ones get q, k repeated."""
+    from verl_longstraw.ops import gated_delta_rule as rule
+
+    monkeypatch.setattr(rule.importlib.metadata, "version", lambda name: version)
+    rule._fla_takes_grouped_heads.cache_clear()
+    try:
+        assert rule._fla_takes_grouped_heads() is native
+    finally:
+        rule._fla_takes_grouped_heads.cache_clear()

@@ -27,16 +27,23 @@ CONV_HISTORY = 3  # K - 1 of a width-4 conv
 CONV_CHANNELS = 3
 
 
-def _case(seed: int, sizes: tuple[int, ...], batch: int, heads: int, dk: int, dv: int, l2norm: bool) -> dict:
+def _case(
+    seed: int, sizes: tuple[int, ...], batch: int, heads: int, dk: int, dv: int, l2norm: bool,
+    v_heads: int | None = None,
+) -> dict:
+    """``heads`` key heads (q, k); ``v_heads`` value heads (v, g, beta, states), a multiple of them (default equal)."""
     ranks = [0, 1, 2] if len(sizes) == 3 else [1, 2]
-    return dict(seed=seed, sizes=list(sizes), ranks=ranks, batch=batch, heads=heads, dk=dk, dv=dv, l2norm=l2norm)
+    v_heads = heads if v_heads is None else v_heads
+    return dict(seed=seed, sizes=list(sizes), ranks=ranks, batch=batch, heads=heads, v_heads=v_heads, dk=dk, dv=dv,
+                l2norm=l2norm)
 
 
 # 2 ranks: a 1-token slice shorter than the conv history; a 70-token slice crosses the op's 64-token chunk; Dv > Dk.
 # 3 ranks: slices of 2 and 1 tokens, so rank 2's conv history spans the initial conv state and both earlier ranks.
+# Grouped value heads (GVA, as Qwen3-Next / Qwen3.5): 2 key heads, 4 or 6 value heads, in one case of each world.
 CASES = {
-    2: [_case(1, (1, 6), 2, 2, 4, 3, True), _case(2, (70, 5), 1, 1, 3, 5, False)],
-    3: [_case(3, (2, 1, 4), 2, 2, 4, 3, True), _case(4, (5, 3, 7), 1, 2, 4, 4, True)],
+    2: [_case(1, (1, 6), 2, 2, 4, 3, True, v_heads=4), _case(2, (70, 5), 1, 1, 3, 5, False)],
+    3: [_case(3, (2, 1, 4), 2, 2, 4, 3, True), _case(4, (5, 3, 7), 1, 2, 4, 4, True, v_heads=6)],
 }
 
 
@@ -44,7 +51,7 @@ def _inputs(case: dict) -> dict[str, torch.Tensor]:
     """Full-sequence inputs and loss weights of ``case`` (the same in every process: seeded generator)."""
     gen = torch.Generator().manual_seed(case["seed"])
     world, length = len(case["sizes"]), sum(case["sizes"])
-    b, h, dk, dv = case["batch"], case["heads"], case["dk"], case["dv"]
+    b, h, hv, dk, dv = case["batch"], case["heads"], case["v_heads"], case["dk"], case["dv"]
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -53,9 +60,9 @@ def _inputs(case: dict) -> dict[str, torch.Tensor]:
         return torch.rand(*shape, generator=gen, dtype=torch.float64)
 
     return dict(
-        q=randn(b, length, h, dk), k=randn(b, length, h, dk), v=randn(b, length, h, dv),
-        g=-0.5 * rand(b, length, h), beta=rand(b, length, h), initial_state=randn(b, h, dk, dv),
-        out_weight=randn(b, length, h, dv), final_weight=randn(world, b, h, dk, dv),
+        q=randn(b, length, h, dk), k=randn(b, length, h, dk), v=randn(b, length, hv, dv),
+        g=-0.5 * rand(b, length, hv), beta=rand(b, length, hv), initial_state=randn(b, hv, dk, dv),
+        out_weight=randn(b, length, hv, dv), final_weight=randn(world, b, hv, dk, dv),
         x=randn(b, CONV_CHANNELS, length), conv_state=randn(b, CONV_CHANNELS, CONV_HISTORY),
         conv_in_weight=randn(world, b, CONV_CHANNELS, CONV_HISTORY + length),
         conv_final_weight=randn(world, b, CONV_CHANNELS, CONV_HISTORY),
@@ -86,11 +93,13 @@ def _gdn_on_rank(case: dict, full: dict, group: dist.ProcessGroup, rank: int, mo
         out_bf16, final_bf16 = sharded_gated_delta_rule(
             *_bf16(own.values()), initial.float(), group, sizes, l2norm, mode
         )
+        out_zero, final_zero = sharded_gated_delta_rule(*own.values(), None, group, sizes, l2norm, mode)
     with pytest.raises(ValueError, match="sizes"):  # raised on every rank, before any collective
         sharded_gated_delta_rule(*own.values(), initial, group, [hi - lo], l2norm, mode)
     return dict(
         out=out.detach(), final=final.detach(), out_no_grad=out_no_grad, final_no_grad=final_no_grad,
-        out_bf16=out_bf16, final_bf16=final_bf16, grads={name: x.grad for name, x in own.items()},
+        out_bf16=out_bf16, final_bf16=final_bf16, out_zero=out_zero, final_zero=final_zero,
+        grads={name: x.grad for name, x in own.items()},
         initial_grad=initial.grad, trace=trace,
     )
 
@@ -140,8 +149,15 @@ def _reference_gdn(case: dict) -> dict:
     out, final = gated_delta_rule(*leaves.values(), use_qk_l2norm=case["l2norm"])
     ((out * full["out_weight"]).sum() + (final * full["final_weight"].sum(0)).sum()).backward()
     low, initial = _bf16(full[name] for name in TOKEN_INPUTS), full["initial_state"].float()
+    tokens = [full[name] for name in TOKEN_INPUTS]
+    groups = case["v_heads"] // case["heads"]
+    repeated = [x.repeat_interleave(groups, dim=2) for x in tokens[:2]]  # the old convention: q, k per value head
+    old_out, old_final = gated_delta_rule(*repeated, *tokens[2:], full["initial_state"], use_qk_l2norm=case["l2norm"])
+    torch.testing.assert_close(out.detach(), old_out, **TOL, msg=f"grouped != repeat-first out {case}")
+    torch.testing.assert_close(final.detach(), old_final, **TOL, msg=f"grouped != repeat-first final {case}")
     return dict(
         out=out.detach(), final=final.detach(), grads={name: x.grad for name, x in leaves.items()},
+        zero=gated_delta_rule(*tokens, None, use_qk_l2norm=case["l2norm"]),
         standard_bf16=gated_delta_rule(*low, initial, use_qk_l2norm=case["l2norm"]),
         exact_bf16=gated_delta_rule(*(x.double() for x in low), initial.double(), use_qk_l2norm=case["l2norm"]),
     )
@@ -154,6 +170,8 @@ def _check_gdn(case: dict, mode: str, results: list[dict], ref: dict) -> None:
         torch.testing.assert_close(got["final"], ref["final"], **TOL, msg=f"final {where}")
         torch.testing.assert_close(got["out_no_grad"], got["out"], **TOL, msg=f"no_grad out {where}")
         torch.testing.assert_close(got["final_no_grad"], got["final"], **TOL, msg=f"no_grad final {where}")
+        torch.testing.assert_close(got["out_zero"], ref["zero"][0][:, lo:hi], **TOL, msg=f"zero-state out {where}")
+        torch.testing.assert_close(got["final_zero"], ref["zero"][1], **TOL, msg=f"zero-state final {where}")
         for name in TOKEN_INPUTS:
             expected = ref["grads"][name][:, lo:hi]
             torch.testing.assert_close(got["grads"][name], expected, **TOL, msg=f"d{name} {where}")

@@ -41,6 +41,10 @@ def gated_deltanet_mix(
     """Gated DeltaNet over segment ``x`` [B, S, hidden] continuing from (conv_state, recurrent_state) [1, ...]
     (copied per sequence for B > 1: fixed-size, and each sequence's state evolves on its own).
 
+    q, k [B, S, num_k_heads, k_dim] go to the delta rule as they are, v [B, S, num_v_heads, v_dim],
+    g, beta [B, S, num_v_heads]: the rule takes the grouped value heads (transformers repeat_interleaves
+    q, k to num_v_heads first; the same values).
+
     The new conv state owns its storage (a view would keep the segment's whole conv input alive
     in every kept chunk boundary); the recurrent state stays float32 whatever the model's dtype.
     """
@@ -57,9 +61,7 @@ def gated_deltanet_mix(
     v = v.unflatten(-1, (-1, mixer.head_v_dim))
     beta = b.sigmoid()
     g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    groups = mixer.num_v_heads // mixer.num_k_heads
-    if groups > 1:
-        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    # q, k keep their num_k_heads heads: the rule maps value head j to key head j // (num_v_heads // num_k_heads)
     out, new_recurrent_state = ctx.delta_rule(q, k, v, g, beta, per_sequence(recurrent_state, batch))
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     return mixer.out_proj(out.reshape(batch, seq_len, -1)), (new_conv_state, new_recurrent_state)

@@ -1,8 +1,11 @@
 """Gated delta rule (Gated DeltaNet) with an initial recurrent state in and the final state out.
 
-Shapes: ``q``, ``k`` [B, S, H, Dk]; ``v`` [B, S, H, Dv]; ``g`` [B, S, H] log-decay (<= 0);
-``beta`` [B, S, H]; states [B, H, Dk, Dv]. Per head and token, with q scaled by Dk**-0.5
-(q and k L2-normalised first when ``use_qk_l2norm``)::
+Shapes: ``q``, ``k`` [B, S, H, Dk] (H key heads); ``v`` [B, S, HV, Dv]; ``g`` [B, S, HV] log-decay
+(<= 0); ``beta`` [B, S, HV]; states [B, HV, Dk, Dv]. HV value heads, a multiple of H (grouped value
+heads, GVA: Qwen3-Next, Qwen3.5): value head j reads key head ``j // (HV // H)``, as if q and k were
+``repeat_interleave``d to HV heads first (the plain torch paths do that after the L2 norm;
+flash-linear-attention >= 0.5 takes the grouped heads natively). Per value head and token, with q
+scaled by Dk**-0.5 (q and k L2-normalised first when ``use_qk_l2norm``)::
 
     S_t = exp(g_t) * S_{t-1}
     S_t = S_t + k_t^T (beta_t * (v_t - k_t S_t))
@@ -23,6 +26,8 @@ load it.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -39,6 +44,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
 
 
+def _value_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Value heads per key head (HV // H); a ValueError unless q, k have the same H and HV is a multiple of it."""
+    heads, v_heads = k.shape[2], v.shape[2]
+    if q.shape[2] != heads or heads < 1 or v_heads % heads:
+        raise ValueError(f"q, k have {q.shape[2]}, {heads} heads and v {v_heads}: q and k need the same number of key "
+                         f"heads H, v a multiple HV of it (value head j reads key head j // (HV // H))")
+    return v_heads // heads
+
+
 def _prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,16 +62,19 @@ def _prepare(
     initial_state: torch.Tensor | None,
     use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast to the compute dtype, put heads before the sequence, normalise and scale q, k.
+    """Cast to the compute dtype, put heads before the sequence, normalise and scale q, k, repeat them per value head.
 
-    Returns q, k [B, H, S, Dk]; v [B, H, S, Dv]; g, beta [B, H, S]; state [B, H, Dk, Dv]
-    (zeros when ``initial_state`` is None).
+    Returns q, k [B, HV, S, Dk] (key head ``j // (HV // H)`` for value head j); v [B, HV, S, Dv];
+    g, beta [B, HV, S]; state [B, HV, Dk, Dv] (zeros when ``initial_state`` is None).
     """
+    groups = _value_groups(q, k, v)
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v, g, beta = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     if initial_state is None:
         batch, heads, _, dk = k.shape
         state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=dtype, device=v.device)
@@ -75,7 +92,11 @@ def gated_delta_rule_reference(
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token recurrence. Returns (out [B, S, H, Dv] in v's dtype, final state [B, H, Dk, Dv])."""
+    """Token-by-token recurrence. Returns (out [B, S, HV, Dv] in v's dtype, final state [B, HV, Dk, Dv]).
+
+    ``q``, ``k`` [B, S, H, Dk]; ``v`` [B, S, HV, Dv]; ``g``, ``beta`` [B, S, HV]; ``initial_state``
+    [B, HV, Dk, Dv] or None (zeros); HV a multiple of H (module docstring).
+    """
     out_dtype = v.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     outs = []
@@ -98,7 +119,7 @@ def _chunked(
     state: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form on prepared inputs ([B, H, S, ...], see ``_prepare``). Returns (out [B, S, H, Dv], state).
+    """Chunked form on prepared inputs ([B, HV, S, ...], see ``_prepare``). Returns (out [B, S, HV, Dv], state).
 
     Inside a chunk with cumulative log-decay ``c`` and decay ``D_ij = exp(c_i - c_j)`` (j <= i),
     the UT transform ``T = (I + tril(diag(beta) K K^T * D, -1))^-1`` gives the corrected values
@@ -150,6 +171,27 @@ def _fla_chunk_gated_delta_rule() -> Callable | None:
 
 
 @functools.cache
+def _fla_takes_grouped_heads() -> bool:
+    """Whether the installed flash-linear-attention takes q, k with fewer heads than v (GVA).
+
+    Native GVA in ``chunk_gated_delta_rule`` came with fla 0.5.0 (fla-org/flash-linear-attention
+    commit 8bcc1057, PR #812: its kernels read key head ``i_h // (HV // H)`` for value head
+    ``i_h``, and sum dq, dk over each group). Older versions need q, k repeated to HV heads.
+    """
+    try:
+        version = importlib.metadata.version("flash-linear-attention")
+    except importlib.metadata.PackageNotFoundError:
+        import fla
+
+        version = getattr(fla, "__version__", "0")
+    release = []
+    for part in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        release.append(int(digits) if digits else 0)
+    return tuple(release) >= (0, 5)
+
+
+@functools.cache
 def _log_kernel_path(path: str, why: str, level: int = logging.INFO) -> None:
     """Say once per process which kernel the gated delta rule runs, and why."""
     logger.log(level, "gated delta rule: %s (%s)", path, why)
@@ -165,12 +207,15 @@ def gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked gated delta rule. Returns (out [B, S, H, Dv] in v's dtype, final state [B, H, Dk, Dv]).
+    """Chunked gated delta rule. Returns (out [B, S, HV, Dv] in v's dtype, final state [B, HV, Dk, Dv]).
 
-    The final state is float32 (float64 for float64 inputs). bf16/fp16 CUDA inputs go to
+    ``q``, ``k`` [B, S, H, Dk]; ``v`` [B, S, HV, Dv]; ``g``, ``beta`` [B, S, HV]; ``initial_state``
+    [B, HV, Dk, Dv] or None (zeros); HV a multiple of H, value head j reading key head j // (HV // H)
+    (module docstring). The final state is float32 (float64 for float64 inputs). bf16/fp16 CUDA inputs go to
     flash-linear-attention when it is installed (its chunk size is fixed, ``chunk_size`` is
     ignored there); everything else takes the plain torch path. The path taken is logged once.
     """
+    groups = _value_groups(q, k, v)
     if q.is_cuda and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
         fla_kernel = _fla_chunk_gated_delta_rule()
         if fla_kernel is None:
@@ -178,6 +223,8 @@ def gated_delta_rule(
                              "pip install 'verl-longstraw[gpu]' for its CUDA kernel", logging.WARNING)
         else:
             _log_kernel_path("flash-linear-attention chunk kernel", f"CUDA {q.dtype} inputs")
+            if groups > 1 and not _fla_takes_grouped_heads():  # fla < 0.5: no GVA in the kernel
+                q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
             out, state = fla_kernel(
                 q,
                 k,

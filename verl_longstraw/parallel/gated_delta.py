@@ -11,7 +11,7 @@ Two exact forms of the recurrence (``gated_delta_rule``, see ``ops/gated_delta_r
 - ``mode="sequential"`` (the reference): the state goes from rank to rank by send/recv, the final
   state is broadcast from the last rank; the backward runs the chain in reverse. R-fold serial.
 - ``mode="affine"`` (the default, design §4.2, FLA's CP merge): the recurrence is linear in the
-  state, so over rank j's tokens ``S_out = M_j S_in + E_j`` (M_j [B, H, Dk, Dk], E_j [B, H, Dk, Dv]).
+  state, so over rank j's tokens ``S_out = M_j S_in + E_j`` (M_j [B, HV, Dk, Dk], E_j [B, HV, Dk, Dv]).
   Each rank summarises its tokens, the summaries are all-gathered and every rank composes them
   into its own start state and the replicated final state, then runs its tokens from that start.
 
@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from ..ops.gated_delta_rule import gated_delta_rule
+from ..ops.gated_delta_rule import _value_groups, gated_delta_rule
 from .comm import Group, all_gather, all_reduce_sum, broadcast, group_rank, group_size, recv, reduce_scatter, send
 
 
@@ -85,7 +85,7 @@ class _SequentialChain(torch.autograd.Function):
 
 
 class _AffineMerge(torch.autograd.Function):
-    """Every rank's summary ``[E_j | M_j]`` [B, H, Dk, Dv + Dk] composed from the initial state.
+    """Every rank's summary ``[E_j | M_j]`` [B, HV, Dk, Dv + Dk] composed from the initial state.
 
     Forward: all-gather of the summaries; ``S_{j+1} = M_j S_j + E_j`` from ``S_0 = initial_state``;
     returns (this rank's start state S_r, the final state S_R). Backward: this rank's gradients of
@@ -127,12 +127,13 @@ def _affine(q, k, v, g, beta, initial_state, group, use_qk_l2norm):
     end state from zero, columns of v) and M (the end state from I with zero values); q does not
     reach the state, so the summary uses it detached. The outputs come from a second run of the
     single-process op from the merged start state, so they round exactly as the single-process op.
+    Grouped value heads (HV > H) pass through: the summary has one [E | M] per value head.
     """
-    batch, tokens, heads, dk = k.shape
-    dv = v.shape[-1]
-    identity = torch.eye(dk, dtype=initial_state.dtype, device=k.device).expand(batch, heads, dk, dk)
-    summary_start = torch.cat([initial_state.new_zeros(batch, heads, dk, dv), identity], dim=-1)
-    values = torch.cat([v, v.new_zeros(batch, tokens, heads, dk)], dim=-1)
+    batch, tokens, v_heads, dv = v.shape
+    dk = k.shape[-1]
+    identity = torch.eye(dk, dtype=initial_state.dtype, device=k.device).expand(batch, v_heads, dk, dk)
+    summary_start = torch.cat([initial_state.new_zeros(batch, v_heads, dk, dv), identity], dim=-1)
+    values = torch.cat([v, v.new_zeros(batch, tokens, v_heads, dk)], dim=-1)
     _, summary = gated_delta_rule(q.detach(), k, values, g, beta, summary_start, use_qk_l2norm=use_qk_l2norm)
     start, final = _AffineMerge.apply(summary, initial_state, group)
     out, _ = gated_delta_rule(q, k, v, g, beta, start, use_qk_l2norm=use_qk_l2norm)
@@ -153,10 +154,11 @@ def sharded_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over this rank's ``sizes[rank]`` tokens of a sequence split across ``group``.
 
-    Shapes (T_r = this rank's tokens): ``q``, ``k`` [B, T_r, H, Dk]; ``v`` [B, T_r, H, Dv];
-    ``g``, ``beta`` [B, T_r, H]; ``initial_state`` [B, H, Dk, Dv] (the state before rank 0's first
-    token, replicated; None means zeros). Returns (output [B, T_r, H, Dv] in v's dtype, the final
-    state [B, H, Dk, Dv] after the last rank's last token, replicated, in float32 (float64 for
+    Shapes (T_r = this rank's tokens): ``q``, ``k`` [B, T_r, H, Dk]; ``v`` [B, T_r, HV, Dv];
+    ``g``, ``beta`` [B, T_r, HV]; ``initial_state`` [B, HV, Dk, Dv] (the state before rank 0's first
+    token, replicated; None means zeros); HV a multiple of H, value head j reading key head
+    j // (HV // H) as in ``gated_delta_rule``. Returns (output [B, T_r, HV, Dv] in v's dtype, the final
+    state [B, HV, Dk, Dv] after the last rank's last token, replicated, in float32 (float64 for
     float64 inputs)). ``group=None`` is the single-process op. ``mode`` picks the exact form (see
     the module docstring): both agree to rounding.
     """
@@ -165,10 +167,11 @@ def sharded_gated_delta_rule(
     if group is None:
         return gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm=use_qk_l2norm)
     _check_sizes("q", q.shape[1], group, sizes)
+    _value_groups(q, k, v)  # a bad head count raises on every rank, before any collective
     dtype = torch.promote_types(q.dtype, torch.float32)
-    batch, _, heads, dk = k.shape
+    batch, _, v_heads, dv = v.shape
     if initial_state is None:
-        initial_state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=dtype, device=v.device)
+        initial_state = torch.zeros(batch, v_heads, k.shape[-1], dv, dtype=dtype, device=v.device)
     initial_state = initial_state.to(dtype)
     if mode == "sequential":
         return _SequentialChain.apply(q, k, v, g, beta, initial_state, group, use_qk_l2norm)
