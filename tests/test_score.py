@@ -1,27 +1,36 @@
-"""Response scoring: the row-chunked ``score`` against the plain ``score_reference`` (values, gradients) and
-what its graph saves (no float32 [T, vocab] tensor beyond one row chunk)."""
+"""Response scoring: the row-chunked ``score`` (LM head + log-softmax per chunk) against the plain
+``score_reference`` of the head's logits (values, gradients of hidden states and head) and what its graph saves
+(no [T, vocab] tensor beyond one row chunk)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verl_longstraw import api, group_backward, replay
+from verl_longstraw import group_backward, replay
 from verl_longstraw.replay import score, score_reference
 from verl_longstraw.testing import make_group
 from verl_longstraw.tiny import tiny_model
 
 
-def scored(fn, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, **kwargs):
-    """Log-probs, entropy (or None) and d(loss)/d(logits) of a loss weighting both outputs at random."""
-    logits = logits.detach().requires_grad_()
-    log_probs, entropy = fn(logits, targets, temperature, with_entropy, **kwargs)
+def scored(fn, hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float,
+           with_entropy: bool, **kwargs):
+    """Log-probs, entropy (or None) and the gradients of hidden and of the head's parameters under a loss
+    weighting both outputs at random."""
+    hidden = hidden.detach().requires_grad_()
+    log_probs, entropy = fn(hidden, head, targets, temperature, with_entropy, **kwargs)
     gen = torch.Generator().manual_seed(1)
     loss = (log_probs * torch.randn(log_probs.shape, generator=gen)).sum()
     if with_entropy:
         loss = loss + (entropy * torch.randn(entropy.shape, generator=gen)).sum()
-    (grad,) = torch.autograd.grad(loss, logits)
-    return log_probs.detach(), None if entropy is None else entropy.detach(), grad
+    grads = torch.autograd.grad(loss, [hidden, *head.parameters()])
+    return log_probs.detach(), None if entropy is None else entropy.detach(), grads
+
+
+def reference(hidden, head, targets, temperature, with_entropy, **kwargs):
+    """``score_reference`` of the head's logits (what ``score`` computes a chunk at a time)."""
+    return score_reference(torch.nn.functional.linear(hidden, head.weight, head.bias), targets, temperature,
+                           with_entropy)  # not head(hidden): inside the replay this runs as the head's forward
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, None, 40])  # one row, uneven chunks, default (one chunk), > T
@@ -29,31 +38,40 @@ def scored(fn, logits: torch.Tensor, targets: torch.Tensor, temperature: float, 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_reference(dtype: torch.dtype, temperature: float, with_entropy: bool, chunk_rows: int | None) -> None:
-    """Same log-probs and entropies (the same per-row ops; < 1e-6 apart), gradients as close as float32 rounding."""
+    """Same log-probs and entropies as the head's logits scored at once (< 1e-6 apart in float32), gradients of
+    the hidden states, the head's weight and bias as close as float32 rounding (bf16: the rounding of the
+    standard path's own bf16 products)."""
     gen = torch.Generator().manual_seed(0)
-    logits = (4 * torch.randn(29, 301, generator=gen)).to(dtype)
+    hidden = torch.randn(29, 24, generator=gen).to(dtype)
+    head = torch.nn.Linear(24, 301, dtype=dtype)
+    with torch.no_grad():
+        head.weight.mul_(8)
     targets = torch.randint(0, 301, (29,), generator=gen)
-    log_probs, entropy, grad = scored(score, logits, targets, temperature, with_entropy, chunk_rows=chunk_rows)
-    ref_log_probs, ref_entropy, ref_grad = scored(score_reference, logits, targets, temperature, with_entropy)
-    assert log_probs.dtype == torch.float32 and grad.dtype == dtype
-    torch.testing.assert_close(log_probs, ref_log_probs, atol=1e-6, rtol=0)
+    log_probs, entropy, grads = scored(score, hidden, head, targets, temperature, with_entropy, chunk_rows=chunk_rows)
+    ref_log_probs, ref_entropy, ref_grads = scored(reference, hidden, head, targets, temperature, with_entropy)
+    assert log_probs.dtype == torch.float32
+    # float32: logits of a row chunk and of all rows round alike to a few ulps; bfloat16: to a bf16 ulp
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(log_probs, ref_log_probs, atol=1e-6, rtol=rtol)
     assert (entropy is None) == (not with_entropy)
     if with_entropy:
-        torch.testing.assert_close(entropy, ref_entropy, atol=1e-6, rtol=0)
-    # float32: below one part in 1e6 of the largest gradient (a few float32 ulps; entries are ~1 / temperature)
-    # bfloat16: the gradient is rounded once to bf16 and may land one bf16 ulp away
-    tolerance = 1e-6 if dtype == torch.float32 else 2**-7
-    assert float((grad.float() - ref_grad.float()).abs().max()) <= tolerance * float(ref_grad.float().abs().max())
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-6, rtol=rtol)
+    # float32: a few float32 ulps of the largest entry; bfloat16: products rounded once to bf16 (a few bf16 ulps)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-6
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == ref_grad.dtype and grad.shape == ref_grad.shape
+        assert float((grad.float() - ref_grad.float()).abs().max()) <= tolerance * float(ref_grad.float().abs().max())
 
 
 def test_without_autograd() -> None:
     """The log-prob pass (no grad) returns the reference's values and builds no graph."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(7, 50, generator=gen, requires_grad=True)
+    hidden = torch.randn(7, 12, generator=gen, requires_grad=True)
+    head = torch.nn.Linear(12, 50, bias=False)
     targets = torch.randint(0, 50, (7,), generator=gen)
     with torch.no_grad():
-        log_probs, entropy = score(logits, targets, 0.9, True, chunk_rows=2)
-        ref_log_probs, ref_entropy = score_reference(logits, targets, 0.9, True)
+        log_probs, entropy = score(hidden, head, targets, 0.9, True, chunk_rows=2)
+        ref_log_probs, ref_entropy = reference(hidden, head, targets, 0.9, True)
     assert log_probs.grad_fn is None and entropy.grad_fn is None
     torch.testing.assert_close(log_probs, ref_log_probs, atol=1e-6, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-6, rtol=0)
@@ -62,13 +80,14 @@ def test_without_autograd() -> None:
 VOCAB = 32768
 
 
-def saved_float32(run) -> list[tuple[int, int]]:
-    """(numel, data_ptr) of every float32 tensor autograd saves for backward while ``run()`` runs."""
-    saved: list[tuple[int, int]] = []
+def saved_tensors(run) -> list[tuple[int, torch.dtype]]:
+    """(numel, dtype) of every tensor of rows x vocabulary (logits-shaped: the last dim is VOCAB, not the head's
+    [VOCAB, hidden] weight) that autograd saves for backward while ``run()`` runs."""
+    saved: list[tuple[int, torch.dtype]] = []
 
     def pack(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            saved.append((x.numel(), x.untyped_storage().data_ptr()))
+        if x.dim() and x.shape[-1] == VOCAB:
+            saved.append((x.numel(), x.dtype))
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
@@ -77,34 +96,31 @@ def saved_float32(run) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_scoring_saves_no_float32_logits(autocast: bool) -> None:
-    """LM head + score of T = 256 rows over a 32K vocabulary, 32 rows a chunk: under bf16 autocast no saved float32
-    tensor reaches one chunk of logits; in float32 the only one is the logits themselves (the head's output, which
-    ``score`` takes). The reference saves its log-softmax and exp: two float32 [T, vocab] tensors (64 MiB)."""
-    rows, hidden, chunk = 256, 16, 32  # the head weight [vocab, hidden] stays below a chunk
+def test_scoring_saves_no_logits(autocast: bool) -> None:
+    """LM head + score of T = 256 rows over a 32K vocabulary, 32 rows a chunk, in float32 or under bf16 autocast:
+    no saved tensor of any dtype reaches one chunk of logits (the head runs inside the chunks). The reference
+    saves the logits and its float32 log-softmax and exp: [T, vocab] each."""
+    rows, hidden_size, chunk = 256, 16, 32  # the head weight [vocab, hidden] stays below a chunk
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(rows, hidden, generator=gen, requires_grad=True)
-    head = torch.nn.Linear(hidden, VOCAB, bias=False)
+    hidden = torch.randn(rows, hidden_size, generator=gen, requires_grad=True)
+    head = torch.nn.Linear(hidden_size, VOCAB, bias=False)
     targets = torch.randint(0, VOCAB, (rows,), generator=gen)
-    logits_ptr = []
 
     def run(fn, **kwargs) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = head(h)
-            logits_ptr.append(logits.untyped_storage().data_ptr())
-            log_probs, entropy = fn(logits, targets, 1.0, True, **kwargs)
+            log_probs, entropy = fn(hidden, head, targets, 1.0, True, **kwargs)
         (log_probs.sum() + entropy.sum()).backward()
 
-    big = [ptr for numel, ptr in saved_float32(lambda: run(score, chunk_rows=chunk)) if numel > chunk * VOCAB]
-    assert big == ([] if autocast else [logits_ptr[-1]])
-    reference = {(numel, ptr) for numel, ptr in saved_float32(lambda: run(score_reference)) if numel > chunk * VOCAB}
-    assert sorted(numel for numel, _ in reference)[-2:] == [rows * VOCAB] * 2
+    assert [n for n, _ in saved_tensors(lambda: run(score, chunk_rows=chunk)) if n > chunk * VOCAB] == []
+    big = sorted(n for n, dtype in saved_tensors(lambda: run(reference)) if n > chunk * VOCAB
+                 and dtype == torch.float32)
+    assert big[-2:] == [rows * VOCAB] * 2
 
 
-def test_replay_saves_no_float32_logits(monkeypatch) -> None:
+def test_replay_saves_no_logits(monkeypatch) -> None:
     """One response replayed with autograd (tiny qwen3, 32K vocabulary, T = 64, 16 rows a chunk, bf16 autocast as
-    the engine runs it): no saved float32 tensor reaches one chunk of logits; the reference score saved two of
-    T x vocab."""
+    the engine runs it): no saved tensor reaches one chunk of logits; scoring the head's logits at once (the
+    reference) saves float32 tensors of T x vocab (log-softmax, its exp, ...)."""
     model = tiny_model("qwen3", vocab_size=VOCAB)
     prompt, responses = make_group(VOCAB, 48, [64])
     monkeypatch.setattr(replay, "SCORE_CHUNK_BYTES", 16 * VOCAB * 4)
@@ -114,7 +130,7 @@ def test_replay_saves_no_float32_logits(monkeypatch) -> None:
             group_backward(model, prompt, responses, lambda i, lp, ent: -(lp.mean() + 0.01 * ent.mean()),
                            with_entropy=True)
 
-    assert [numel for numel, _ in saved_float32(run) if numel > 16 * VOCAB] == []
-    monkeypatch.setattr(api, "score", score_reference)
-    reference = {(numel, ptr) for numel, ptr in saved_float32(run) if numel > 16 * VOCAB}
-    assert sorted(numel for numel, _ in reference) == [64 * VOCAB] * 2  # 16 MiB
+    assert [n for n, _ in saved_tensors(run) if n > 16 * VOCAB] == []
+    monkeypatch.setattr(replay, "score", reference)
+    big = sorted(n for n, dtype in saved_tensors(run) if n > 16 * VOCAB and dtype == torch.float32)
+    assert len(big) >= 2 and set(big) == {64 * VOCAB}  # 8 MiB each

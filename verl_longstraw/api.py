@@ -24,6 +24,7 @@ from .replay import (
     REPLAY_TOKENS,
     GroupStats,
     PromptChunk,
+    Scoring,
     accumulate_state_grads,
     as_leaves,
     backward_prompt,
@@ -32,7 +33,6 @@ from .replay import (
     prompt_chunks,
     response_rounds,
     run_segment,
-    score,
 )
 from .state import PromptState
 from .timing import Stopwatch
@@ -236,8 +236,8 @@ def group_log_probs(
         watch = Stopwatch(device)
         steps = response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens)
         for step in steps:
-            logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, past, True, step.sharding)
-            lp, ent = score(logits, step.targets, temperature, return_entropy)
+            scoring = Scoring(step.targets, temperature, return_entropy)
+            lp, ent = run_segment(adapter, step.inputs, len(prompt_ids) - 1, past, scoring, step.sharding)
             log_probs.update(gather_round(step.split(lp), step, cp_group))
             if return_entropy:
                 entropies.update(gather_round(step.split(ent), step, cp_group))
@@ -316,8 +316,8 @@ def group_backward(
     watch = Stopwatch(device)
     losses, state_grads, log_probs, entropies = {}, None, {}, {}
     for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens):
-        logits = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, True, step.sharding)
-        lp, ent = score(logits, step.targets, temperature, with_entropy)
+        scoring = Scoring(step.targets, temperature, with_entropy)
+        lp, ent = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, scoring, step.sharding)
         lps = step.split(lp)
         ents = step.split(ent) if with_entropy else [None] * len(lps)
         batch_losses = [_response_loss(loss_fn, i, lp_i, ent_i, with_entropy)

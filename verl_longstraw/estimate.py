@@ -42,7 +42,7 @@ import transformers
 from .adapters import adapter_for
 from .ops import attention as attention_ops
 from .parallel.layout import PromptLayout
-from .replay import REPLAY_TOKENS
+from .replay import REPLAY_TOKENS, SCORE_CHUNK_BYTES
 from .state import StateSpec
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
@@ -65,7 +65,9 @@ GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
 GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
 MLA_MIXER = 2.0
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
-LOGITS = 3.0  # lm_head output, float32 copy and log-softmax, in units of vocab (float32)
+# ``replay.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
+# (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 chunks at most
+SCORE_TRANSIENT = 3 * SCORE_CHUNK_BYTES
 GIB = 2**30
 
 
@@ -84,7 +86,8 @@ class MemoryEstimate:
     replay_saved_bytes: int  # saved for backward while a batch of ``replay_batch`` responses replays (pass-Q incl.)
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
-    score_block_bytes: int  # CP: pass-Q's float32 scores and probabilities of one key block, one layer (transient)
+    score_block_bytes: int  # the largest transient: CP pass-Q's float32 scores of one key block, or one row chunk
+    # of the replay's scoring (``replay.score``: logits, float32 log-softmax and exp)
     prompt_len: int  # the settings it was computed for
     chunk_size: int | None
     cp_size: int
@@ -102,8 +105,8 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         """Device bytes at the peak: state, state-gradient sums unless on the host, the saved peak and the
-        gradients a backward hands the state, and pass-Q's score blocks (each phase's transients counted at their
-        largest)."""
+        gradients a backward hands the state, and the largest transient (pass-Q's score block or a scoring chunk;
+        each phase's transients counted at their largest)."""
         return (self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
                 + self.score_block_bytes)
 
@@ -438,8 +441,8 @@ def _estimate(
         response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed,
         batch=batch,
     )
-    replay += int(batch * response_len * (config.hidden_size * shapes.act + LOGITS * config.vocab_size * 4))
-    score_block = shapes.pass_q_score_block(replay_queries, rows + response_len)
+    replay += batch * response_len * config.hidden_size * shapes.act  # the final hidden states ``score`` saves
+    score_block = max(SCORE_TRANSIENT, shapes.pass_q_score_block(replay_queries, rows + response_len))
     if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
         score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
     backward = backward_pass_q = 0
@@ -502,7 +505,7 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
         f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
         f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
-        f"pass-Q {gib(e.pass_q_bytes)}), pass-Q score blocks {gib(e.score_block_bytes)}. To fit: "
+        f"pass-Q {gib(e.pass_q_bytes)}), transients (score blocks, scoring chunk) {gib(e.score_block_bytes)}. To fit: "
         + "; ".join(knobs) + "; or shorten the prompt"
     )
 
@@ -660,7 +663,7 @@ def gpu_table(
         ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
          e.device_state_grad_bytes, e.host_bytes),
         ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
-        ("pass-Q score blocks: float32 scores and probabilities of one key block, one layer (transient)",
+        ("largest transient: pass-Q's float32 scores of one key block, one layer, or a scoring row chunk",
          e.score_block_bytes, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),

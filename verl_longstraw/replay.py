@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from .adapters import Adapter
@@ -192,23 +193,24 @@ def run_segment(
     ids: torch.Tensor,
     start: int,
     past: list[LayerState] | None,
-    with_logits: bool,
+    scoring: Scoring | None,
     sharding: SegmentSharding | None = None,
-) -> torch.Tensor | list[LayerState]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | list[LayerState]:
     """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before), or ``ids`` [B, S]:
     B right-padded sequences after the same ``past``, in one forward (the state broadcast over them).
 
-    Returns logits [B * S, vocab] (B = 1 for ids [S]) with ``with_logits``; otherwise each layer's segment state
-    (the last layer stops once its state is known: its output is never read).
+    With ``scoring``: the float32 log-probs of ``scoring.targets`` and the entropies (or None), each [B * S]
+    (B = 1 for ids [S]), the LM head scored a row chunk at a time (``score``) inside the head module's call.
+    Otherwise each layer's segment state (the last layer stops once its state is known: its output is never read).
     """
 
-    def forward() -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward() -> tuple[torch.Tensor | None, ...]:
         h = adapter.embed(ids)
         ctx = adapter.context(h, start, sharding)
         layer_past = past or [adapter.empty_state(i, h) for i in range(adapter.num_layers)]
         states = []
         for idx, layer in enumerate(adapter.layers):
-            need_output = with_logits or idx < adapter.num_layers - 1
+            need_output = scoring is not None or idx < adapter.num_layers - 1
 
             def layer_forward(h, idx=idx, need_output=need_output):
                 return adapter.layer(idx, h, ctx, layer_past[idx], need_output)
@@ -217,12 +219,17 @@ def run_segment(
             if need_output:
                 h, out = out[0], out[1:]
             states.append(tuple(out))
-        if with_logits:
-            return adapter.head(h)
+        if scoring is not None:
+            head = adapter.model.lm_head
+
+            def head_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return score(hidden, head, scoring.targets, scoring.temperature, scoring.with_entropy)
+
+            return call_as(head, head_forward, adapter.final_hidden(h))
         return tuple(t for s in states for t in s)
 
     out = call_as(adapter.model, forward)
-    if with_logits:
+    if scoring is not None:
         return out
     flat = iter(out)
     return [tuple(next(flat) for _ in spec) for spec in adapter.specs()]
@@ -240,7 +247,7 @@ def capture(
     state = PromptState(adapter.specs(), rows, keep_boundaries, chunk_size)
     with torch.no_grad():
         for c in chunks:
-            segment = run_segment(adapter, ids[c.start : c.end], c.start, state.current(), False, c.sharding)
+            segment = run_segment(adapter, ids[c.start : c.end], c.start, state.current(), None, c.sharding)
             state.append(segment, c.end - c.start)
     return state
 
@@ -317,7 +324,7 @@ def backward_prompt(
         past = state.at_boundary(index, start)
         past_leaves = None if past is None else _leaves(state.specs, past, requires_grad=True)
         with torch.enable_grad():
-            segment = run_segment(adapter, ids[c.start : c.end], c.start, past_leaves, False, c.sharding)
+            segment = run_segment(adapter, ids[c.start : c.end], c.start, past_leaves, None, c.sharding)
         outputs, output_grads = [], []
         for spec, seg_layer, grad_layer in zip(state.specs, segment, grads, strict=True):
             for s, out, grad in zip(spec, seg_layer, grad_layer, strict=True):
@@ -346,40 +353,59 @@ def backward_prompt(
 SCORE_CHUNK_BYTES = 64 * 2**20  # float32 logits of one row chunk in ``score`` (64 rows of a 248K vocabulary)
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a replay scores: ``targets`` [B * S] token ids (one per position, padding included), the sampling
+    ``temperature``, and whether the entropy too."""
+
+    targets: torch.Tensor
+    temperature: float
+    with_entropy: bool
+
+
 def score_reference(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Plain ``score``: float32 log-softmax of all rows at once, differentiated by autograd (which saves
-    [T, vocab] float32 tensors: the log-softmax and, for the entropy, its exp)."""
+    """Plain ``score`` from the LM head's ``logits`` [T, vocab]: float32 log-softmax of all rows at once,
+    differentiated by autograd (which saves [T, vocab] float32 tensors: the log-softmax and, for the entropy,
+    its exp)."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_log_probs = log_probs.gather(-1, targets[:, None])[:, 0]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
     return token_log_probs, entropy
 
 
-class _ChunkedScore(torch.autograd.Function):
-    """Autograd function behind ``score``: (log-probs [T], entropy [T] or [0]) from ``logits`` [T, vocab], a row
-    chunk at a time; saves ``logits`` and ``targets`` only and recomputes each chunk's log-softmax in backward."""
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+class _LinearScore(torch.autograd.Function):
+    """Autograd function behind ``score``: (log-probs [T], entropy [T] or [0]) of ``hidden`` [T, H] under the
+    LM head (``weight`` [vocab, H], ``bias``), a row chunk at a time. Saves ``hidden``, the head's parameters and
+    ``targets``; the backward recomputes each chunk's logits and log-softmax under the forward's autocast state
+    and sums the head's gradient in float32."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
-        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         temperature: float,
         with_entropy: bool,
         chunk_rows: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        token_log_probs = logits.new_empty(len(logits), dtype=torch.float32)
-        entropy = token_log_probs.new_empty(len(logits) if with_entropy else 0)
-        for start in range(0, len(logits), chunk_rows):
+        token_log_probs = hidden.new_empty(len(hidden), dtype=torch.float32)
+        entropy = token_log_probs.new_empty(len(hidden) if with_entropy else 0)
+        for start in range(0, len(hidden), chunk_rows):
             rows = slice(start, start + chunk_rows)
-            log_probs = torch.log_softmax(logits[rows].float() / temperature, dim=-1)
+            log_probs = torch.log_softmax(F.linear(hidden[rows], weight, bias).float() / temperature, dim=-1)
             token_log_probs[rows] = log_probs.gather(-1, targets[rows, None])[:, 0]
             if with_entropy:
                 entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
-        ctx.save_for_backward(logits, targets)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk_rows, ctx.autocast = temperature, chunk_rows, _autocast_state(hidden.device)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return token_log_probs, entropy
@@ -388,11 +414,17 @@ class _ChunkedScore(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        logits, targets = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, len(logits), ctx.chunk_rows):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        for start in range(0, len(hidden), ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
-            log_probs = torch.log_softmax(logits[rows].float() / ctx.temperature, dim=-1)
+            with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
+                logits = F.linear(hidden[rows], weight, bias)
+            log_probs = torch.log_softmax(logits.float() / ctx.temperature, dim=-1)
             probs = log_probs.exp()
             # d(log p_target)/dx = onehot - p; d(entropy)/dx = -p * (log p + entropy), x = logits / temperature
             grad = grad_log_probs[rows, None]
@@ -400,23 +432,41 @@ class _ChunkedScore(torch.autograd.Function):
                 entropy = -(probs * log_probs).sum(-1, keepdim=True)
                 grad = grad + grad_entropy[rows, None] * (log_probs + entropy)
             grad = probs.mul_(-grad).scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
-            grad_logits[rows] = grad.div_(ctx.temperature)
-        return grad_logits, None, None, None, None
+            grad_logits = grad.div_(ctx.temperature).to(logits.dtype)  # as autograd rounds it through .float()
+            with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
+                if need_hidden:
+                    grad_hidden[rows] = grad_logits @ weight
+                if need_weight:
+                    grad_weight += (grad_logits.t() @ hidden[rows]).float()
+            if need_bias:
+                grad_bias += grad_logits.float().sum(0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None,
+        )
 
 
 def score(
-    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
     chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] (float32) of ``targets`` [T] under ``logits`` [T, vocab] / temperature; optionally the entropy [T].
+    """Log-probs [T] (float32) of ``targets`` [T] under the LM ``head``'s logits of ``hidden`` [T, H] / temperature;
+    optionally the entropy [T].
 
-    Float32 a row chunk at a time (``chunk_rows`` rows, default: ``SCORE_CHUNK_BYTES`` of float32 logits), in
-    forward and backward: the graph saves ``logits`` (in their dtype) and ``targets``, never a float32 copy,
-    log-softmax or exp of all rows. Values as ``score_reference``. The LM head stays outside (the logits come in).
+    The head and a float32 log-softmax run a row chunk at a time (``chunk_rows`` rows, default:
+    ``SCORE_CHUNK_BYTES`` of float32 logits), in forward and backward (recomputed there): the graph saves
+    ``hidden``, the head's parameters and ``targets``, never the [T, vocab] logits or any float32 copy of them.
+    Values as ``score_reference(head(hidden), ...)``. Call it inside the head module's forward (``call_as``) so
+    FSDP2 gathers and reduces the head's parameters as for an ordinary call.
     """
-    chunk_rows = chunk_rows or max(1, SCORE_CHUNK_BYTES // (4 * logits.shape[-1]))
-    token_log_probs, entropy = _ChunkedScore.apply(logits, targets, temperature, with_entropy, chunk_rows)
+    chunk_rows = chunk_rows or max(1, SCORE_CHUNK_BYTES // (4 * head.out_features))
+    token_log_probs, entropy = _LinearScore.apply(
+        hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_rows
+    )
     return token_log_probs, entropy if with_entropy else None

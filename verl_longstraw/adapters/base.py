@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..ops import attention as attention_ops
 from ..ops.attention import ATTENTION_PATHS, partial_attention, prefix_causal_attention
-from ..ops.fused_attention import fused_dtype
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..parallel.attention import lse_weight, sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
@@ -57,7 +57,7 @@ class SegmentContext:
         if q.shape[0] != k_prefix.shape[0]:
             if k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix per sequence is free
                 k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
-            elif key_mask is not None or fused_dtype(q, k_prefix, v_prefix, k_self, v_self) is None:
+            elif key_mask is not None or attention_ops.fused_dtype(q, k_prefix, v_prefix, k_self, v_self) is None:
                 return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
         if self.sharding is None:
             return prefix_causal_attention(
@@ -272,9 +272,10 @@ class Adapter(ABC):
             out = out[0]
         return (h + out, *state)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [B, S, hidden] -> logits [B * S, vocab] (the sequences' rows in turn)."""
-        return self.model.lm_head(self.backbone.norm(h)).flatten(0, 1)
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [B, S, hidden] -> the final norm's output [B * S, hidden] (the sequences' rows in turn), what the
+        LM head (``model.lm_head``, a Linear) reads."""
+        return self.backbone.norm(h).flatten(0, 1)
 
 
 _REGISTRY: dict[str, type[Adapter]] = {}

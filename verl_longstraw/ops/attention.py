@@ -145,8 +145,9 @@ def partial_attention_reference(
     matrix [B, Hk, G, N, P + T] at once, differentiated by autograd.
 
     Grouped query heads are folded into rows of their key head (no K/V repeat). Autocast is off inside: forward
-    and backward run in the arithmetic dtype (float32 for half inputs). Rows that see no key get a finite stand-in for their logsumexp so that no NaN reaches autograd; their
-    probabilities are exp(-inf) = 0, output 0, and the returned logsumexp is -inf.
+    and backward run in the arithmetic dtype (float32 for half inputs). Rows that see no key get a finite
+    stand-in for their logsumexp so that no NaN reaches autograd; their probabilities are exp(-inf) = 0, output 0,
+    and the returned logsumexp is -inf.
     """
     with torch.autocast(q.device.type, enabled=False):  # the arithmetic dtype throughout, as the blocked op
         return _partial_attention_dense(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask)
