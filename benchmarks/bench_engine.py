@@ -356,8 +356,8 @@ def markdown(result: dict) -> str:
                 if r["engine"] == "longstraw" and r.get("R", 1) == 1}
     lines += [
         "",
-        "longstraw's step metrics per rank (update_actor: capture and replay include the log-prob pass the "
-        "backward needs; prompt backward = recompute with grad + backward). State = prompt state held by the "
+        "longstraw's step metrics per rank (update_actor: replay = one replay with autograd per response, the "
+        "single-forward path; prompt backward = recompute with grad + backward). State = prompt state held by the "
         "rank; CP collective = bytes of the tensors the rank passed to the context-parallel collectives; peak RSS "
         "= the engine's `longstraw/peak_memory_gb` (the process's whole peak RSS during the call, not a delta):",
         "",
