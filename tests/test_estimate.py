@@ -224,6 +224,22 @@ def test_budget_error_says_which_knob_fits(knob):
     check_budget(turned, turned.total_bytes)
 
 
+def test_budget_error_names_replay_tokens_when_the_batched_replay_is_the_peak():
+    """A replay batch of k responses that is the saved-for-backward peak: the error offers a smaller replay_tokens,
+    and does not when one response replays at a time."""
+    config = tiny_config("qwen3")
+    batched = estimate_memory(config, 512, 8, 64, None, "exact", torch.float32, replay_tokens=512)
+    alone = estimate_memory(config, 512, 8, 64, None, "exact", torch.float32, replay_tokens=64)
+    assert batched.replay_batch == 8 and alone.replay_batch == 1
+    assert batched.replay_saved_bytes > batched.prompt_backward_saved_bytes
+    assert alone.total_bytes < batched.total_bytes
+    with pytest.raises(MemoryError, match=r"replay_tokens smaller \(now 8 responses replay together"):
+        check_budget(batched, alone.total_bytes)
+    with pytest.raises(MemoryError) as error:
+        check_budget(alone, alone.total_bytes - 1)
+    assert "replay_tokens" not in str(error.value)
+
+
 @pytest.mark.parametrize("family, cp_size", [("qwen3_5", 1), ("qwen3_5", 4), ("deepseek_v3", 4)])
 def test_checkpointed_estimate_changes_only_the_saved_terms(family, cp_size):
     """estimate_memory(checkpointed=True): the same state and state-gradient bytes as without; the saved peaks are

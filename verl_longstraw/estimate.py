@@ -66,8 +66,15 @@ GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summar
 MLA_MIXER = 2.0
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 # ``replay.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
-# (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 chunks at most
-SCORE_TRANSIENT = 3 * SCORE_CHUNK_BYTES
+# (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
+SCORE_TRANSIENT_CHUNKS = 3
+
+
+def score_transient_bytes(vocab_size: int, rows: int) -> int:
+    """Bytes ``replay.score`` holds at once while it scores ``rows`` rows: ``SCORE_TRANSIENT_CHUNKS`` float32
+    [chunk rows, vocab] tensors, a chunk being ``SCORE_CHUNK_BYTES`` of float32 logits (fewer rows if fewer)."""
+    chunk_rows = max(1, SCORE_CHUNK_BYTES // (4 * vocab_size))
+    return SCORE_TRANSIENT_CHUNKS * 4 * vocab_size * min(rows, chunk_rows)
 GIB = 2**30
 
 
@@ -442,7 +449,8 @@ def _estimate(
         batch=batch,
     )
     replay += batch * response_len * config.hidden_size * shapes.act  # the final hidden states ``score`` saves
-    score_block = max(SCORE_TRANSIENT, shapes.pass_q_score_block(replay_queries, rows + response_len))
+    score_block = max(score_transient_bytes(config.vocab_size, batch * response_len),
+                      shapes.pass_q_score_block(replay_queries, rows + response_len))
     if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
         score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
     backward = backward_pass_q = 0
@@ -494,7 +502,11 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
     if e.state_grad_bytes:
         detached = e.state_bytes - e.boundary_bytes + e.replay_saved_bytes + e.score_block_bytes
         knobs.append(f"prompt_grad='detached' ({saving(detached)}; biased: drops the gradient through the prompt)")
-    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.score_block_bytes:
+    if e.replay_saved_bytes > e.prompt_backward_saved_bytes and e.replay_batch > 1:
+        knobs.append(f"replay_tokens smaller (now {e.replay_batch} responses replay together and their replay, "
+                     f"{gib(e.replay_saved_bytes)} saved for backward, is the peak; its share shrinks about in "
+                     "proportion)")
+    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.cp_size > 1:
         smaller = max(e.cp_size, min(e.chunk_size or e.prompt_len, e.prompt_len) // 4)
         knobs.append(f"chunk_size={smaller} (now {e.chunk_size}; the prompt backward saves "
                      f"{gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens by blocks)")

@@ -219,7 +219,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     f"tokens) does not fit the budget ({source}: {budget / GIB:.3g} GiB, of which "
                     f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
                     "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, context_parallel_size, "
-                    "state_grad_on_host, prompt_grad, memory_budget_gb}; longstraw.preflight=false skips this check."
+                    "state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; longstraw.preflight=false "
+                    "skips this check."
                 )
         verdicts: list[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, message)
