@@ -283,7 +283,7 @@ class _Shapes:
         return inputs + largest[0], largest[1]
 
     def shared_prefix_saved(self, kind: str, idx: int, batch: int, tokens: int, prefix: int, state_len: int) -> int:
-        """Bytes ``adapters.base.shared_prefix_attention`` saves in layer ``idx`` for ``batch`` sequences of
+        """Bytes ``ops.attention.shared_prefix_attention`` saves in layer ``idx`` for ``batch`` sequences of
         ``tokens`` after ``prefix`` state rows (buffers of ``state_len``): for each of its two partial attentions
         (the batch x tokens query rows over the prefix keys; each sequence over its own keys), the dense op's two
         score-sized float32 tensors, its float32 keys/values and scaled queries, or past

@@ -241,11 +241,9 @@ def relative_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value.double() - reference).norm() / reference.norm())
 
 
-@pytest.mark.parametrize("backward_in_autocast", [False, True])
-def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool) -> None:
-    """Under CPU bf16 autocast, output and every input gradient of the blocked op are as close to a float64
-    reference (on the same bf16 inputs) as SDPA's (the standard path) on the same machine. Before the op
-    pinned its compute dtype, its forward scored in bf16 and its backward in float32: 2.5-7x SDPA's error."""
+def check_bf16_autocast_no_worse_than_sdpa(op, backward_in_autocast: bool) -> None:
+    """Under CPU bf16 autocast, ``op``'s output and every input gradient (bf16, like its inputs) are as close to a
+    float64 reference on the same bf16 inputs as SDPA's (the standard path) on the same machine."""
     batch, q_heads, kv_heads, seg_len, prefix_len, dim = 1, 4, 2, 32, 256, 32
     inputs = {n: x.detach().bfloat16() for n, x in make_inputs(
         batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float32).items()}
@@ -264,12 +262,20 @@ def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool) 
         return {"out": out.detach(), **dict(zip(NAMES, grads, strict=True))}
 
     reference = run(prefix_causal_attention_reference, torch.float64, False)
-    blocked = run(partial(prefix_causal_attention_blocked, block_size=64), torch.bfloat16, True)
+    result = run(op, torch.bfloat16, True)
     standard = run(prefix_causal_attention_reference, torch.bfloat16, True)
-    errors = {name: relative_l2(blocked[name], reference[name]) for name in reference}
+    errors = {name: relative_l2(result[name], reference[name]) for name in reference}
     errors |= {f"standard_{name}": relative_l2(standard[name], reference[name]) for name in reference}
-    assert blocked["out"].dtype == torch.bfloat16 and all(blocked[n].dtype == torch.bfloat16 for n in NAMES)
+    assert result["out"].dtype == torch.bfloat16 and all(result[n].dtype == torch.bfloat16 for n in NAMES)
     assert no_worse_than_standard(errors, torch.bfloat16), errors
+
+
+@pytest.mark.parametrize("backward_in_autocast", [False, True])
+def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool) -> None:
+    """The blocked op under CPU bf16 autocast (``check_bf16_autocast_no_worse_than_sdpa``). Before the op pinned its
+    compute dtype, its forward scored in bf16 and its backward in float32: 2.5-7x SDPA's error."""
+    check_bf16_autocast_no_worse_than_sdpa(partial(prefix_causal_attention_blocked, block_size=64),
+                                           backward_in_autocast)
 
 
 class LiveBytes(TorchDispatchMode):

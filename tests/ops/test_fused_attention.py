@@ -7,13 +7,19 @@ from functools import partial
 
 import pytest
 import torch
-from test_blocked_attention import NAMES, TOL, make_inputs, relative_l2, run_with_grads, saved_numels
+from test_blocked_attention import (
+    NAMES,
+    TOL,
+    check_bf16_autocast_no_worse_than_sdpa,
+    make_inputs,
+    run_with_grads,
+    saved_numels,
+)
 
 from verl_longstraw.ops import attention as attention_ops
 from verl_longstraw.ops.attention import prefix_causal_attention, prefix_causal_attention_reference
 from verl_longstraw.ops.blocked_attention import prefix_causal_attention_blocked
 from verl_longstraw.ops.fused_attention import fused_dtype, prefix_causal_attention_fused
-from verl_longstraw.testing import no_worse_than_standard
 
 # (B, Hq, Hk, T, P, D)
 CASES = {
@@ -95,32 +101,9 @@ def test_saves_inputs_output_and_logsumexp() -> None:
 
 @pytest.mark.parametrize("backward_in_autocast", [False, True])
 def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool) -> None:
-    """Under CPU bf16 autocast, output and every input gradient of the fused op (float32 arithmetic) are as
-    close to a float64 reference on the same bf16 inputs as SDPA's (the standard path) on the same machine."""
-    batch, q_heads, kv_heads, seg_len, prefix_len, dim = 1, 4, 2, 32, 256, 32
-    inputs = {n: x.detach().bfloat16() for n, x in make_inputs(
-        batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float32).items()}
-    inputs["q"] = (inputs["q"].float() * 4).bfloat16()  # peaked attention, as in trained models
-    weight = torch.randn(batch, q_heads, seg_len, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-    def run(fn, dtype: torch.dtype, autocast: bool) -> dict[str, torch.Tensor]:
-        xs = [x.to(dtype).requires_grad_() for x in inputs.values()]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = fn(*xs, dim**-0.5)
-            loss = (out.double() * weight).sum()
-            if backward_in_autocast:
-                grads = torch.autograd.grad(loss, xs)
-        if not backward_in_autocast:
-            grads = torch.autograd.grad(loss, xs)
-        return {"out": out.detach(), **dict(zip(NAMES, grads, strict=True))}
-
-    reference = run(prefix_causal_attention_reference, torch.float64, False)
-    result = run(fused, torch.bfloat16, True)
-    standard = run(prefix_causal_attention_reference, torch.bfloat16, True)
-    errors = {name: relative_l2(result[name], reference[name]) for name in reference}
-    errors |= {f"standard_{name}": relative_l2(standard[name], reference[name]) for name in reference}
-    assert result["out"].dtype == torch.bfloat16 and all(result[n].dtype == torch.bfloat16 for n in NAMES)
-    assert no_worse_than_standard(errors, torch.bfloat16), errors
+    """The fused op (float32 arithmetic) under CPU bf16 autocast: output and every input gradient no further from a
+    float64 reference than SDPA's on the same machine (``check_bf16_autocast_no_worse_than_sdpa``)."""
+    check_bf16_autocast_no_worse_than_sdpa(fused, backward_in_autocast)
 
 
 def test_private_cpu_ops_pinned() -> None:

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops import attention as attention_ops
-from ..ops.attention import ATTENTION_PATHS, partial_attention, prefix_causal_attention
+from ..ops.attention import prefix_causal_attention
 from ..ops.gated_delta_rule import gated_delta_rule
-from ..parallel.attention import lse_weight, sharded_prefix_attention
+from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.segment import SegmentSharding
 from ..state import LayerState, StateSpec
@@ -49,16 +48,8 @@ class SegmentContext:
         return self.sharding is not None and self.sharding.consecutive
 
     def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
-        """``prefix_causal_attention`` (shapes there) over the prompt state of every rank of the group.
-
-        A batch of B > 1 sequences after a batch-1 prefix goes to the fused kernels where they take it (they read
-        the shared prefix once for all B*T queries), else to ``shared_prefix_attention`` (``key_mask`` [B, T, P + T]).
-        """
-        if q.shape[0] != k_prefix.shape[0]:
-            if k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix per sequence is free
-                k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
-            elif key_mask is not None or attention_ops.fused_dtype(q, k_prefix, v_prefix, k_self, v_self) is None:
-                return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
+        """``prefix_causal_attention`` (shapes there, a batch-1 prefix shared by B sequences included) over the
+        prompt state of every rank of the group."""
         if self.sharding is None:
             return prefix_causal_attention(
                 q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
@@ -86,48 +77,6 @@ class SegmentContext:
             return sharded_conv_input(x, conv_state, self.sharding.group, self.sharding.query_sizes)
         conv_in = torch.cat([conv_state, x], dim=-1)
         return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
-
-
-def shared_prefix_attention(
-    q: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    k_self: torch.Tensor,
-    v_self: torch.Tensor,
-    scale: float,
-    key_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``prefix_causal_attention`` of B sequences that follow one shared prefix, which is never copied per sequence.
-
-    ``q`` [B, Hq, T, D], ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]: the sequences (right-padded: a
-    padded position is seen by later positions only); ``k_prefix`` [1, Hk, P, D], ``v_prefix`` [1, Hk, P, Dv]: the
-    prefix, broadcast; ``key_mask`` bool [B, T, P + T] or None restricts each query's keys further (DSA).
-    Returns [B, Hq, T, Dv] in q's dtype. Two partial attentions (``ops.attention.partial_attention``) merged
-    by their logsumexps: the B*T queries as rows of one batch-1 query [1, Hq, B*T, D] over the prefix keys (all
-    visible), and each sequence's queries causally over its own keys (batch B; one sequence at a time under a
-    ``key_mask``, whose own-key part differs per sequence).
-    """
-    ATTENTION_PATHS["shared_prefix_partial"] += 1
-    batch, heads, length, _ = q.shape
-    prefix_len = k_prefix.shape[-2]
-    rows = q.transpose(0, 1).reshape(1, heads, batch * length, -1)
-    prefix_mask = None if key_mask is None else key_mask[..., :prefix_len].reshape(batch * length, prefix_len)
-    out_prefix, lse_prefix = partial_attention(
-        rows, k_prefix, v_prefix, k_prefix[..., :0, :], v_prefix[..., :0, :], scale, key_mask=prefix_mask
-    )
-    out_prefix = out_prefix.reshape(heads, batch, length, -1).transpose(0, 1)
-    lse_prefix = lse_prefix.reshape(heads, batch, length).transpose(0, 1)
-    if key_mask is None:
-        out_own, lse_own = partial_attention(q, k_self[..., :0, :], v_self[..., :0, :], k_self, v_self, scale)
-    else:
-        parts = [
-            partial_attention(q[b : b + 1], k_self[b : b + 1, :, :0], v_self[b : b + 1, :, :0], k_self[b : b + 1],
-                              v_self[b : b + 1], scale, key_mask=key_mask[b, :, prefix_len:])
-            for b in range(batch)
-        ]
-        out_own, lse_own = (torch.cat(t) for t in zip(*parts, strict=True))
-    lses = (lse_prefix, lse_own)
-    return (out_prefix * lse_weight(lse_prefix, lses) + out_own * lse_weight(lse_own, lses)).to(q.dtype)
 
 
 def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:

@@ -354,6 +354,35 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         scaled = scaler.scale(loss) if scaler is not None else loss
         return scaled * self.cp_size if self.cp_size > 1 else scaled
 
+    def _group_backward(
+        self,
+        frag: Fragment,
+        loss_fn: Callable,
+        with_entropy: bool,
+        stats: GroupStats,
+        state: Optional[PromptState] = None,
+        return_log_probs: bool = False,
+    ):
+        """``group_backward`` of one fragment with the engine's knobs, CP group and compute dtype (``state``: the
+        prompt state captured by the log-prob pass, None to capture it here)."""
+        with self._autocast():
+            return group_backward(
+                self.module,
+                frag.prompt_ids,
+                frag.responses,
+                loss_fn,
+                prompt_grad=self.longstraw.prompt_grad,
+                chunk_size=self.longstraw.chunk_size,
+                temperature=frag.temperature,
+                with_entropy=with_entropy,
+                stats=stats,
+                state=state,
+                cp_group=self.get_context_parallel_group(),
+                state_grad_on_host=self.longstraw.state_grad_on_host,
+                replay_tokens=self.longstraw.replay_tokens,
+                return_log_probs=return_log_probs,
+            )
+
     def _replay_once(
         self,
         fragments: list[Fragment],
@@ -389,22 +418,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 loss, _ = loss_function(model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group())
                 return self._scale_loss(loss)
 
-            with self._autocast():
-                _, lps, ents = group_backward(
-                    self.module,
-                    frag.prompt_ids,
-                    frag.responses,
-                    loss_fn,
-                    prompt_grad=self.longstraw.prompt_grad,
-                    chunk_size=self.longstraw.chunk_size,
-                    temperature=frag.temperature,
-                    with_entropy=calculate_entropy,
-                    stats=stats,
-                    cp_group=self.get_context_parallel_group(),
-                    state_grad_on_host=self.longstraw.state_grad_on_host,
-                    replay_tokens=self.longstraw.replay_tokens,
-                    return_log_probs=True,
-                )
+            _, lps, ents = self._group_backward(frag, loss_fn, calculate_entropy, stats, return_log_probs=True)
             for k, row in enumerate(frag.rows):
                 log_probs[row] = lps[k]
                 if calculate_entropy:
@@ -438,22 +452,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     term = term + (g_ent[row] * entropy.float()).sum()
                 return term
 
-            with self._autocast():
-                group_backward(
-                    self.module,
-                    frag.prompt_ids,
-                    frag.responses,
-                    loss_fn,
-                    prompt_grad=self.longstraw.prompt_grad,
-                    chunk_size=self.longstraw.chunk_size,
-                    temperature=frag.temperature,
-                    with_entropy=g_ent is not None,
-                    stats=stats,
-                    state=state,
-                    cp_group=self.get_context_parallel_group(),
-                    state_grad_on_host=self.longstraw.state_grad_on_host,
-                    replay_tokens=self.longstraw.replay_tokens,
-                )
+            self._group_backward(frag, loss_fn, g_ent is not None, stats, state=state)
 
 
 @EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])

@@ -1,6 +1,7 @@
 """Attention of a segment's queries over a cached prefix plus the segment itself.
 
-Shapes: ``q`` [B, Hq, T, D]; ``k_prefix`` [B, Hk, P, D], ``v_prefix`` [B, Hk, P, Dv];
+Shapes: ``q`` [B, Hq, T, D]; ``k_prefix`` [B, Hk, P, D], ``v_prefix`` [B, Hk, P, Dv] (or batch 1: one prefix
+shared by the B sequences, never copied per sequence);
 ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]; Hq is a multiple of Hk (grouped
 queries share a key head). Every query sees the whole prefix and the segment causally.
 Returns [B, Hq, T, Dv] in the dtype of ``q``. ``key_mask`` [T, P + T] (bool, True = may
@@ -14,6 +15,7 @@ logsumexp (shapes in ``verl_longstraw.ops.blocked_attention``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,55 @@ def prefix_causal_attention_reference(
     return out.reshape(batch, q_heads, seg_len, v.shape[-1])
 
 
+def lse_weight(logsumexp: torch.Tensor, logsumexps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Weight [..., N, 1] of a partial attention output with ``logsumexp`` [..., N] (over one of several disjoint key
+    sets) in their merge: exp(l - L), L the logsumexp over the sets' ``logsumexps`` (``logsumexp`` among them). The
+    weighted partial outputs sum to the attention over the union of the sets; a row that sees no key of a set
+    (l = -inf) gets weight 0 there."""
+    return (logsumexp - torch.logsumexp(torch.stack(list(logsumexps)), dim=0)).exp().unsqueeze(-1)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``prefix_causal_attention`` of B sequences that follow one shared prefix, which is never copied per sequence.
+
+    ``q`` [B, Hq, T, D], ``k_self`` [B, Hk, T, D], ``v_self`` [B, Hk, T, Dv]: the sequences (right-padded: a
+    padded position is seen by later positions only); ``k_prefix`` [1, Hk, P, D], ``v_prefix`` [1, Hk, P, Dv]: the
+    prefix, broadcast; ``key_mask`` bool [B, T, P + T] or None restricts each query's keys further (DSA).
+    Returns [B, Hq, T, Dv] in q's dtype. Two partial attentions (``partial_attention``) merged
+    by their logsumexps: the B*T queries as rows of one batch-1 query [1, Hq, B*T, D] over the prefix keys (all
+    visible), and each sequence's queries causally over its own keys (batch B; one sequence at a time under a
+    ``key_mask``, whose own-key part differs per sequence).
+    """
+    batch, heads, length, _ = q.shape
+    prefix_len = k_prefix.shape[-2]
+    rows = q.transpose(0, 1).reshape(1, heads, batch * length, -1)
+    prefix_mask = None if key_mask is None else key_mask[..., :prefix_len].reshape(batch * length, prefix_len)
+    out_prefix, lse_prefix = partial_attention(
+        rows, k_prefix, v_prefix, k_prefix[..., :0, :], v_prefix[..., :0, :], scale, key_mask=prefix_mask
+    )
+    out_prefix = out_prefix.reshape(heads, batch, length, -1).transpose(0, 1)
+    lse_prefix = lse_prefix.reshape(heads, batch, length).transpose(0, 1)
+    if key_mask is None:
+        out_own, lse_own = partial_attention(q, k_self[..., :0, :], v_self[..., :0, :], k_self, v_self, scale)
+    else:
+        parts = [
+            partial_attention(q[b : b + 1], k_self[b : b + 1, :, :0], v_self[b : b + 1, :, :0], k_self[b : b + 1],
+                              v_self[b : b + 1], scale, key_mask=key_mask[b, :, prefix_len:])
+            for b in range(batch)
+        ]
+        out_own, lse_own = (torch.cat(t) for t in zip(*parts, strict=True))
+    lses = (lse_prefix, lse_own)
+    return (out_prefix * lse_weight(lse_prefix, lses) + out_own * lse_weight(lse_own, lses)).to(q.dtype)
+
+
 MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond this the blocked op is leaner
 
 
@@ -107,10 +158,15 @@ def prefix_causal_attention(
     - ``sdpa_is_causal``: no prefix, no key mask, unfolded heads: one SDPA call without a mask;
     - ``fused_flash_cpu`` / ``fused_flash_cuda``: otherwise without a key mask where the fused kernels take
       the inputs (``fused_dtype``: value dim == key dim, ...): two flash-attention calls merged by logsumexp;
-      the only path that also takes a prefix of batch 1 shared by B > 1 sequences of ``q``;
+      it also takes a prefix of batch 1 shared by B > 1 sequences of ``q``;
+    - ``shared_prefix_partial``: else, for such a shared prefix (``key_mask`` [B, T, P + T]),
+      ``shared_prefix_attention``;
     - ``sdpa_mask``: else one SDPA call while its explicit mask [G*T, P + T] stays within ``MASK_BYTES_LIMIT``;
     - ``blocked``: else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``.
     """
+    if q.shape[0] != k_prefix.shape[0] and k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix is free
+        k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
+    shared = q.shape[0] != k_prefix.shape[0]
     q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
     folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
     rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
@@ -119,6 +175,9 @@ def prefix_causal_attention(
     elif key_mask is None and (dtype := fused_dtype(q, k_prefix, v_prefix, k_self, v_self)) is not None:
         ATTENTION_PATHS[FUSED_PATHS[q.device.type]] += 1
         return prefix_causal_attention_fused(q, k_prefix, v_prefix, k_self, v_self, scale, dtype)
+    elif shared:
+        ATTENTION_PATHS["shared_prefix_partial"] += 1
+        return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
     elif rows * total * q.element_size() <= MASK_BYTES_LIMIT:
         path = "sdpa_mask"
     else:

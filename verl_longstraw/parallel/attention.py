@@ -29,17 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.attention import key_block_size, prefix_causal_attention
+from ..ops.attention import key_block_size, lse_weight, prefix_causal_attention
 from ..ops.blocked_attention import OwnKeyRule, compute_dtype, partial_attention_blocked
 from .comm import Group, all_gather, group_rank, group_size, reduce_scatter
-
-
-def lse_weight(logsumexp: torch.Tensor, logsumexps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Weight [..., N, 1] of a partial attention output with ``logsumexp`` [..., N] (over one of several disjoint key
-    sets) in their merge: exp(l - L), L the logsumexp over the sets' ``logsumexps`` (``logsumexp`` among them). The
-    weighted partial outputs sum to the attention over the union of the sets; a row that sees no key of a set
-    (l = -inf) gets weight 0 there."""
-    return (logsumexp - torch.logsumexp(torch.stack(list(logsumexps)), dim=0)).exp().unsqueeze(-1)
 
 
 def _check_sizes(
