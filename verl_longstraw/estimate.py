@@ -229,11 +229,18 @@ class _Shapes:
             return c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
         return c.num_attention_heads, self.head_dim, self.head_dim
 
+    @staticmethod
+    def pass_q_fused(kind: str) -> bool:
+        """Whether pass-Q runs on the fused kernels for attention of this kind (``parallel.attention``): every kind
+        whose value dim equals its key dim (not MLA), as ``ops.fused_attention.fused_kernel_dtype`` decides on CPU
+        and on CUDA in fp16/bf16 within flash's head-dim limit (256), which every supported model meets."""
+        return kind != "mla"
+
     def pass_q_saved(self, queries: int, last_layer_stops: bool, layers: Collection[int] | None = None) -> int:
         """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
-        ranks, summed over the attention layers (those in ``layers``; None: all): the queries (model dtype),
-        the partial outputs, and the log-sum-exps: this rank's, the R gathered ones, their merge and each
-        rank's weight. 0 in one process."""
+        ranks, summed over the attention layers (those in ``layers``; None: all): the queries (model dtype) and
+        the merged log-sum-exp; on the blocked path also the partial outputs and the log-sum-exps: this rank's,
+        the R gathered ones and each rank's weight. 0 in one process."""
         if self.cp_size == 1:
             return 0
         total = 0
@@ -242,14 +249,17 @@ class _Shapes:
             if kind == "linear" or (layers is not None and idx not in layers):
                 continue
             heads, dim, v_dim = self.attention_dims(kind)
-            total += queries * heads * (dim * self.act + (v_dim + self.cp_size + 3) * self.compute)
+            floats = 1 if self.pass_q_fused(kind) else v_dim + self.cp_size + 3
+            total += queries * heads * (dim * self.act + floats * self.compute)
         return total
 
     def pass_q_score_block(self, queries: int, keys: int) -> int:
         """Bytes of pass-Q's blocked partial attention while it scores ``queries`` gathered queries against one
         block (``ops.attention.key_block_size``) of a rank's ``keys``: scores and probabilities [heads, queries,
-        block] in the compute dtype, for the attention layer with the most heads; 0 in one process."""
-        heads = max((self.attention_dims(k)[0] for k in set(self.kinds) if k != "linear"), default=0)
+        block] in the compute dtype, for the blocked attention layer with the most heads; 0 in one process or
+        where every attention layer is fused."""
+        blocked = {k for k in set(self.kinds) if k != "linear" and not self.pass_q_fused(k)}
+        heads = max((self.attention_dims(k)[0] for k in blocked), default=0)
         if self.cp_size == 1 or not heads:
             return 0
         block = min(attention_ops.key_block_size(heads * queries, self.compute), keys)
@@ -339,10 +349,11 @@ class _Shapes:
             if batch > 1 and not fused:
                 total += self.shared_prefix_saved(kind, idx, batch, tokens, prefix, state_len)
                 continue
-            if self.cp_size > 1:  # pass-Q: the blocked op over this rank's state buffer and own rows; the query
-                # and output it saves are the gathered rows (``pass_q_saved``), not this rank's own
+            if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
+                # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's)
                 heads, dim, v_dim = self.attention_dims(kind)
-                total += row_bytes * (state_len + tokens) - tokens * heads * (dim + v_dim) * self.act
+                gathered = dim if self.pass_q_fused(kind) else dim + v_dim
+                total += row_bytes * (state_len + tokens) - tokens * heads * gathered * self.act
                 continue
             keys = prefix + tokens
             blocked = prefix > 0 and rows * keys * self.act > attention_ops.MASK_BYTES_LIMIT

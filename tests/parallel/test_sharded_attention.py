@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from verl_longstraw.ops.attention import prefix_causal_attention, prefix_causal_attention_reference
+from verl_longstraw.ops.attention import ATTENTION_PATHS, prefix_causal_attention, prefix_causal_attention_reference
 from verl_longstraw.parallel.attention import sharded_prefix_attention
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.launch import run_ranks
@@ -23,8 +23,18 @@ HEADS = {"gqa": (4, 2, 8, 8, False), "mla": (4, 1, 12, 8, True)}
 # world -> (query_sizes, prefix_sizes): uneven, one rank without prefix rows
 SIZES = {2: ((3, 5), (0, 7)), 3: ((4, 2, 5), (6, 0, 9))}
 CASES = list(itertools.product(["causal_across_ranks", "own_sequences"], HEADS, [False, True], [None, 3]))
-# forward: queries, logsumexps, weighted outputs; backward: d(outputs), d(logsumexps), d(queries)
-COLLECTIVES = ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter", "reduce_scatter"]
+# per path, forward: queries, logsumexps, weighted outputs; backward: (blocked) d(outputs), d(logsumexps), d(queries),
+# (fused) d(outputs) with the outputs, d(queries)
+COLLECTIVES = {
+    "sharded_blocked": ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter", "reduce_scatter"],
+    "sharded_fused_flash_cpu": ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter"],
+}
+
+
+def expected_path(heads: str, masked: bool, block_size: int | None) -> str:
+    """The fused kernels take what has value dim == key dim, no key mask and no forced block size."""
+    fused = not HEADS[heads][4] and HEADS[heads][2] == HEADS[heads][3] and not masked and block_size is None
+    return "sharded_fused_flash_cpu" if fused else "sharded_blocked"
 
 
 def offsets(sizes: tuple[int, ...]) -> list[int]:
@@ -110,7 +120,8 @@ def max_difference(x: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def sharded_case(rank: int, world: int, mode: str, heads: str, masked: bool, block_size: int | None, seed: int):
-    """Largest absolute differences of this rank's output and local gradients vs the reference, and its trace."""
+    """Largest absolute differences of this rank's output and local gradients vs the reference, its trace and the
+    path the op took."""
     query_sizes, prefix_sizes = SIZES[world]
     scale = HEADS[heads][2] ** -0.5
     leaves, upstream, masks = global_inputs(heads, query_sizes, prefix_sizes, masked, seed)
@@ -118,6 +129,7 @@ def sharded_case(rank: int, world: int, mode: str, heads: str, masked: bool, blo
     local = local_slices(leaves, rank, query_sizes, prefix_sizes)
     local = {name: x.clone().requires_grad_() for name, x in local.items()}
     mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
+    ATTENTION_PATHS.clear()
     with trace_collectives() as trace:
         out = sharded_prefix_attention(
             *attention_args(local, heads), scale, torch.distributed.group.WORLD, query_sizes, prefix_sizes,
@@ -129,12 +141,13 @@ def sharded_case(rank: int, world: int, mode: str, heads: str, masked: bool, blo
     for name, x in local.items():
         assert x.grad is not None and x.grad.isfinite().all(), name
         errors[name] = max_difference(x.grad, ref_local[name])
-    return errors, trace
+    (path,) = ATTENTION_PATHS
+    return errors, trace, path
 
 
 def bfloat16_errors(rank: int, world: int) -> dict[int | None, tuple[float, float]]:
-    """Per partial path: largest error of this rank's bf16 sharded output and of the single-process op run in
-    bf16 on the concatenation, both against the float64 single-process output."""
+    """Per partial path (block size None: fused, 3: blocked): largest error of this rank's bf16 sharded output and
+    of the single-process op run in bf16 on the concatenation, both against the float64 single-process output."""
     query_sizes, prefix_sizes = SIZES[world]
     leaves, _, _ = global_inputs("gqa", query_sizes, prefix_sizes, False, seed=99)
     mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
@@ -181,7 +194,8 @@ def test_matches_single_process(rank_results, case) -> None:
     """Output and gradients (q, own keys/values, local prefix rows) of every rank equal the single-process op's."""
     world, results = rank_results
     for rank in range(world):
-        errors, _ = results[rank][case]
+        errors, _, path = results[rank][case]
+        assert path == expected_path(*case[1:]), (rank, path)
         assert max(errors.values()) < 1e-10, (rank, errors)
 
 
@@ -190,7 +204,7 @@ def test_same_collectives_on_every_rank(rank_results, case) -> None:
     world, results = rank_results
     traces = [results[rank][case][1] for rank in range(world)]
     assert all(trace == traces[0] for trace in traces)
-    assert [op for op, *_ in traces[0]] == COLLECTIVES
+    assert [op for op, *_ in traces[0]] == COLLECTIVES[expected_path(*case[1:])]
 
 
 def test_bfloat16_within_standard_error(rank_results) -> None:

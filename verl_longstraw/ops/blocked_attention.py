@@ -99,7 +99,7 @@ def _block_scores(
     return scores
 
 
-def _autocast_off(method: Callable) -> Callable:
+def autocast_off(method: Callable) -> Callable:
     """An autograd Function's forward or backward run with autocast off on the device of its first tensor argument
     (``torch.amp.custom_fwd``/``custom_bwd`` for whichever device the op runs on)."""
 
@@ -127,7 +127,7 @@ class _PartialAttentionBlocked(torch.autograd.Function):
     """
 
     @staticmethod
-    @_autocast_off
+    @autocast_off
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         q: torch.Tensor,
@@ -175,7 +175,7 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         return out, logsumexp
 
     @staticmethod
-    @_autocast_off
+    @autocast_off
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, grad_logsumexp: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:

@@ -2,25 +2,33 @@
 
 Pass-Q with a log-sum-exp merge (design study §3.3). On every rank r:
 
-1. all-gather the queries of every rank (differentiable): [B, Hq, N, D], N = sum(query_sizes);
+1. all-gather the queries of every rank: [B, Hq, N, D], N = sum(query_sizes);
 2. attend all N queries to the local keys only (rank r's prefix rows, then its own keys under the
-   cross-rank causal rule), giving a partial output o_r [B, Hq, N, Dv] and its logsumexp l_r
-   [B, Hq, N] (``ops.blocked_attention.partial_attention_blocked``);
+   cross-rank causal rule), giving a partial output o_r [B, Hq, N, Dv] and its logsumexp l_r [B, Hq, N];
 3. all-gather the logsumexps; L = logsumexp over ranks of l_j is every query's global logsumexp;
 4. weight o_r by exp(l_r - L) and reduce-scatter the weighted partials to the query owners: the
    sum over ranks of exp(l_j - L) o_j is the softmax over all keys.
 
-Everything is built from differentiable collectives (``parallel.comm``) and the partial
-attention's autograd function (backward takes d(output) and d(logsumexp)), so the backward is
-autograd's: all-gather of d(output), reduce-scatter of d(logsumexp), the partial attention's
-backward (key/value gradients of the local prefix rows and own keys stay on this rank: they are
-the local leaves' gradients), reduce-scatter of d(queries) to their owners. Every rank issues the
-same six collectives per call (three forward, three backward) whatever the data: no branch
-depends on anything but the replicated sizes. A query that sees no local key on a rank has
-logsumexp -inf there and weight 0: zero output and zero gradient from that rank, never NaN.
+Two implementations of step 2 and of the backward, chosen from replicated facts only (dtype, head counts and
+dims, device, whether a key mask is given), so every rank takes the same one:
+
+- fused (``_ShardedFusedAttention``; value dim == key dim, no key mask, where ``fused_kernel_dtype`` takes the
+  inputs): flash-attention kernel calls (``ops.fused_attention``). Backward: all-gather of every rank's
+  d(output) and output, the kernels' backward over the local keys given the global output and L, reduce-scatter
+  of d(queries): five collectives per call.
+- blocked (MLA's value dim != key dim, DSA's key mask, or a ``block_size`` given): the blocked partial attention
+  (``ops.blocked_attention.partial_attention_blocked``, whose backward takes d(output) and d(logsumexp)) between
+  differentiable collectives (``parallel.comm``), so the backward is autograd's: all-gather of d(output),
+  reduce-scatter of d(logsumexp), the partial attention's backward, reduce-scatter of d(queries): six
+  collectives per call.
+
+Key/value gradients of the local prefix rows and own keys stay on this rank (they are the local leaves'
+gradients). Every rank issues the same collectives whatever the data: no branch depends on anything but
+replicated values. A query that sees no local key on a rank has logsumexp -inf there and weight 0: zero output
+and zero gradient from that rank, never NaN.
 
 Bytes on the wire per call: forward N*Hq*D queries (input dtype), R*N*Hq logsumexps and
-R*N*Hq*Dv weighted outputs (float32, float64 for float64 inputs); backward the same three.
+R*N*Hq*Dv weighted outputs (float32, float64 for float64 inputs); backward about the same.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.attention import key_block_size, lse_weight, prefix_causal_attention
-from ..ops.blocked_attention import OwnKeyRule, compute_dtype, partial_attention_blocked
-from .comm import Group, all_gather, group_rank, group_size, reduce_scatter
+from ..ops.attention import ATTENTION_PATHS, key_block_size, lse_weight, prefix_causal_attention
+from ..ops.blocked_attention import OwnKeyRule, autocast_off, compute_dtype, partial_attention_blocked
+from ..ops.fused_attention import FUSED_PATHS, fused_kernel_dtype, fused_partial_backward, fused_partial_forward
+from .comm import Group, all_gather, gather_padded, group_rank, group_size, reduce_scatter, reduce_scatter_padded
 
 
 def _check_sizes(
@@ -84,11 +93,12 @@ def sharded_prefix_attention(
     otherwise each segment is a sequence of its own (own keys visible only to its own queries,
     causally). ``key_mask`` bool [sum(query_sizes), P_r + T_r]: which of this rank's keys (prefix
     rows, then own keys) each query of every rank (in rank order) may see, on top of those rules.
-    ``block_size``: keys scored at a time by the blocked partial attention (None: ``ops.attention.key_block_size``).
-    The partial attention is always the blocked op, never the dense one, even for small inputs: the dense
+    ``block_size``: keys scored at a time by the blocked partial attention (None: the fused kernels where they
+    take the inputs, else ``ops.attention.key_block_size``; an int forces the blocked op).
+    Either way the partial attention is never the dense op, even for small inputs: the dense
     op saves score-sized tensors [B, Hq, N, P_r + T_r] for backward, and N holds the queries of all R ranks,
     so at P_r = P / R they are as large as one process's scores over the whole prefix (the memory context
-    parallelism is there to divide); the blocked op saves the inputs, output and logsumexp only. (Tiny qwen3,
+    parallelism is there to divide); the fused and blocked ops save the inputs, output and logsumexp only. (Tiny qwen3,
     P = 4096, R = 4: peak saved bytes per rank 2.9x one process's with the dense op, 0.33x with the blocked
     one; ``tests/parallel/test_cp_memory.py``.)
     ``group`` None: exactly ``prefix_causal_attention`` (one process).
@@ -100,11 +110,60 @@ def sharded_prefix_attention(
         return prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask)
     _check_sizes(q, k_prefix, k_self, group, query_sizes, prefix_sizes)
     rank = group_rank(group)
-    queries = torch.cat(all_gather(q, group, query_sizes, dim=-2), dim=-2)
     own_keys = OwnKeyRule(start=sum(query_sizes[:rank]), later_rows_see_all=causal_across_ranks)
+    dtype = fused_kernel_dtype(q.device, q.dtype, q.shape[1], k_self.shape[1], q.shape[-1], v_self.shape[-1])
+    if key_mask is None and block_size is None and dtype is not None and sum(query_sizes) > 0:
+        ATTENTION_PATHS["sharded_" + FUSED_PATHS[q.device.type]] += 1
+        return _ShardedFusedAttention.apply(
+            q, k_prefix, v_prefix, k_self, v_self, scale, dtype, group, tuple(query_sizes), own_keys
+        )
+    ATTENTION_PATHS["sharded_blocked"] += 1
+    queries = torch.cat(all_gather(q, group, query_sizes, dim=-2), dim=-2)
     block_size = block_size or key_block_size(queries.shape[:-1].numel(), compute_dtype(queries.dtype).itemsize)
     out, logsumexp = partial_attention_blocked(
         queries, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size
     )
     weighted = out * lse_weight(logsumexp, all_gather(logsumexp, group))
     return reduce_scatter(weighted.split(list(query_sizes), dim=-2), group, query_sizes, dim=-2).to(q.dtype)
+
+
+class _ShardedFusedAttention(torch.autograd.Function):
+    """Pass-Q over the fused kernels (``ops.fused_attention``), with the collectives written out.
+
+    Forward: all-gather the queries, the local fused partial attention (output, logsumexp l_r), all-gather the
+    logsumexps (L = their logsumexp over ranks), reduce-scatter exp(l_r - L) o_r to the query owners. Backward:
+    all-gather every rank's d(output) and output (one collective, concatenated along the channels), the fused
+    kernels' backward over the local keys given that global output and L (the ring-attention identity: exactly
+    the local keys' dK/dV and their share of dQ, no logsumexp gradient needed), reduce-scatter d(queries) to their
+    owners. Five collectives per call on every rank whatever the data. Saved: the gathered queries, the local
+    keys/values, L [B, Hq, N] and this rank's output.
+    """
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, q, k_prefix, v_prefix, k_self, v_self, scale, dtype, group, query_sizes, own_keys):
+        queries = torch.cat(gather_padded(q, query_sizes, -2, group), dim=-2)
+        out, logsumexp, ctx.extras = fused_partial_forward(
+            queries, k_prefix, v_prefix, k_self, v_self, scale, dtype, own_keys
+        )
+        total = torch.logsumexp(torch.stack(gather_padded(logsumexp, (logsumexp.shape[-1],) * group_size(group),
+                                                          -1, group)), dim=0)
+        weighted = out * (logsumexp - total).exp().unsqueeze(-1)
+        mine = reduce_scatter_padded(weighted.split(list(query_sizes), dim=-2), query_sizes, -2, group).to(q.dtype)
+        ctx.save_for_backward(queries, k_prefix, v_prefix, k_self, v_self, total, mine)
+        ctx.scale, ctx.dtype, ctx.group, ctx.query_sizes, ctx.own_keys = scale, dtype, group, query_sizes, own_keys
+        return mine
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad_mine):
+        queries, k_prefix, v_prefix, k_self, v_self, total, mine = ctx.saved_tensors
+        both = torch.cat([grad_mine.to(mine.dtype), mine], dim=-1)
+        grad_out, out = torch.cat(gather_padded(both, ctx.query_sizes, -2, ctx.group), dim=-2).chunk(2, dim=-1)
+        grad_queries, *grads = fused_partial_backward(
+            grad_out, queries, k_prefix, v_prefix, k_self, v_self, out, total, ctx.scale, ctx.dtype, ctx.own_keys,
+            ctx.extras,
+        )
+        grad_q = reduce_scatter_padded(grad_queries.split(list(ctx.query_sizes), dim=-2), ctx.query_sizes, -2,
+                                       ctx.group)
+        return grad_q, *grads, None, None, None, None, None

@@ -64,7 +64,7 @@ def _with_dim(shape: torch.Size, dim: int, size: int) -> list[int]:
     return out
 
 
-def _gather_padded(x: torch.Tensor, sizes: Sequence[int], dim: int, group: Group) -> list[torch.Tensor]:
+def gather_padded(x: torch.Tensor, sizes: Sequence[int], dim: int, group: Group) -> list[torch.Tensor]:
     """All ranks' ``x`` (rank r's has ``sizes[r]`` entries along ``dim``), no autograd."""
     longest = max(sizes)
     padded = _pad(x, longest, dim).movedim(dim, 0).contiguous()
@@ -75,7 +75,7 @@ def _gather_padded(x: torch.Tensor, sizes: Sequence[int], dim: int, group: Group
     return [out[r, : sizes[r]].movedim(0, dim) for r in range(len(sizes))]
 
 
-def _reduce_scatter_padded(parts: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, group: Group) -> torch.Tensor:
+def reduce_scatter_padded(parts: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, group: Group) -> torch.Tensor:
     """Sum over ranks of ``parts[j]`` (``sizes[j]`` entries along ``dim``), delivered to rank j; no autograd."""
     longest = max(sizes)
     stacked = torch.cat([_pad(p, longest, dim).movedim(dim, 0) for p in parts]).contiguous()
@@ -89,7 +89,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, sizes: tuple[int, ...], dim: int, group: Group) -> tuple[torch.Tensor, ...]:
         ctx.sizes, ctx.dim, ctx.group = sizes, dim, group
-        return tuple(_gather_padded(x, sizes, dim, group))
+        return tuple(gather_padded(x, sizes, dim, group))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
@@ -98,18 +98,18 @@ class _AllGather(torch.autograd.Function):
             g if g is not None else like.new_zeros(_with_dim(like.shape, ctx.dim, n))
             for g, n in zip(grads, ctx.sizes, strict=True)
         ]
-        return _reduce_scatter_padded(grads, ctx.sizes, ctx.dim, ctx.group), None, None, None
+        return reduce_scatter_padded(grads, ctx.sizes, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sizes: tuple[int, ...], dim: int, group: Group, *parts: torch.Tensor) -> torch.Tensor:
         ctx.sizes, ctx.dim, ctx.group = sizes, dim, group
-        return _reduce_scatter_padded(parts, sizes, dim, group)
+        return reduce_scatter_padded(parts, sizes, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (None, None, None, *_gather_padded(grad.contiguous(), ctx.sizes, ctx.dim, ctx.group))
+        return (None, None, None, *gather_padded(grad.contiguous(), ctx.sizes, ctx.dim, ctx.group))
 
 
 class _AllReduce(torch.autograd.Function):
