@@ -53,12 +53,13 @@ D = kv_lora_rank + rope dim, Dv = kv_lora_rank); b bytes per element of the mode
 arithmetic dtype (4 for float32 and bfloat16 models)):
 - pass-Q attention, per attention layer per segment (a capture or recompute chunk, a replay round):
   forward: all-gather of the queries R*L*Hq*D*b, of the logsumexps R*N*Hq*f, reduce-scatter of the
-  weighted partial outputs R*L*Hq*Dv*f; backward: all-gather of d(output) R*L*Hq*Dv*f,
-  reduce-scatters of d(logsumexp) R*N*Hq*f and of d(queries) R*L*Hq*D*b. The forward is the design
-  study's (§3.3). Its backward all-gathers Q again and d(output) in b and (L, delta) in float32 and
-  reduce-scatters dQ in float32: per query Hq*(2*Dv + 6*D + 8) bytes for a bfloat16 model, where this
-  one keeps the gathered queries from the forward and moves Hq*(4*Dv + 2*D) + R*Hq*4 (Qwen3.5-27B,
-  Hq 24, D = Dv = 256, R = 8: 49 KB against 38 KB).
+  weighted partial outputs R*L*Hq*Dv*f (the design study's, §3.3). Backward on the fused kernels (Dv = D):
+  all-gather of d(output) and output R*L*Hq*2*Dv*b, reduce-scatter of d(queries) R*L*Hq*D*b; on the
+  blocked op (MLA: Dv != D): all-gather of d(output) R*L*Hq*Dv*f, reduce-scatters of d(logsumexp)
+  R*N*Hq*f and of d(queries) R*L*Hq*D*b. The design study's backward all-gathers Q again and d(output)
+  in b and (L, delta) in float32 and reduce-scatters dQ in float32: per query Hq*(2*Dv + 6*D + 8) bytes
+  for a bfloat16 model, where the fused one keeps the gathered queries from the forward and moves
+  Hq*(4*Dv + 2*D) (Qwen3.5-27B, Hq 24, D = Dv = 256, R = 8: 49 KB against 37 KB).
 - Gated DeltaNet, per linear-attention layer per capture or recompute chunk (replay rounds need
   none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of the conv tails R*min(K-1, L)*C*b
   (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes.
@@ -169,7 +170,10 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
             if kind == "attention" and not (consecutive and idx == len(kinds) - 1):
                 counter["all_gather"] += world * longest * heads * dim * b + world * total * heads * f
                 counter["reduce_scatter"] += world * longest * heads * v_dim * f
-                if backward:
+                if backward and v_dim == dim:  # fused kernels
+                    counter["all_gather"] += world * longest * heads * 2 * v_dim * b
+                    counter["reduce_scatter"] += world * longest * heads * dim * b
+                elif backward:  # blocked op
                     counter["all_gather"] += world * longest * heads * v_dim * f
                     counter["reduce_scatter"] += world * total * heads * f + world * longest * heads * dim * b
             elif kind == "gated_delta" and consecutive:
