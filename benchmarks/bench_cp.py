@@ -228,25 +228,25 @@ def ratio(value: float, reference: float | None) -> str:
     return f"{value / reference:.3f}" if reference else "-"
 
 
-def write_reports(rows: list[dict], out_dir: str, command: str, info: dict) -> None:
-    """``cp.json``, ``cp.md`` and ``cp.png`` under ``out_dir``; ``info`` is ``machine()`` from the start of the run."""
+def write_reports(rows: list[dict], out_dir: str, command: str, info: dict, name: str = "cp") -> None:
+    """``<name>.json``, ``.md`` and ``.png`` under ``out_dir``; ``info`` is ``machine()`` from the start of the run."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "cp.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
     lines = [
         "# Context-parallel benchmark (CPU, gloo)", "", f"Command: `{command}`", "",
         f"Machine at the start: {describe(info)}. The machine was shared with other jobs, and R ranks of one "
-        f"thread each share its {info['cpus']} CPUs: seconds are contended, only roughly comparable and show no "
-        "context-parallel speed-up; bytes are exact.", "",
+        f"thread each share its {info['cpus']} CPUs: seconds are contended and only roughly comparable: R > 1 adds "
+        "no compute; bytes are exact.", "",
         f"Chunked exact, chunk {rows[0]['chunk_size']} prompt tokens (global, split over the R ranks), responses of "
         f"T = {rows[0]['T']} tokens, float32, one thread per rank. Per-rank figures are the largest over the ranks; "
         "ratios are to R = 1 (one process, `cp_group=None`). Peak saved: bytes saved for backward over capture + "
         "log-probs + backward, parameters excluded. Lockstep: every rank issued the same collectives.", "",
         *summary_table(rows), "", *collective_table(rows), "", *group_size_table(rows), "", "```", FORMULAS, "```",
     ]
-    with open(os.path.join(out_dir, "cp.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(rows, os.path.join(out_dir, "cp.png"))
+    plot(rows, os.path.join(out_dir, f"{name}.png"))
 
 
 def summary_table(rows: list[dict]) -> list[str]:
@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=3600, help="hard limit for one set of ranks")
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
+    parser.add_argument("--tag", default="", help="name the files cp_<tag>.json/.md/.png instead of cp.*")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -367,8 +368,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for r in rows[-len(args.group_sizes):]:
                     print(f"{family:12s} P={p:6d} R={world} G={r['G']} saved {r['saved_peak_bytes'] / MB:8.2f} MB  "
                           f"state {r['state_bytes'] / MB:7.2f} MB  seconds {r['seconds']}", flush=True)
-    write_reports(rows, args.out, command, info)
-    print(f"wrote {args.out}/cp.json, cp.md, cp.png")
+    name = f"cp_{args.tag}" if args.tag else "cp"
+    write_reports(rows, args.out, command, info, name)
+    print(f"wrote {args.out}/{name}.json, .md, .png")
     return rows
 
 

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from verl_longstraw.ops import attention as attention_ops
+from verl_longstraw.ops import blocked_attention as blocked_ops
 from verl_longstraw.ops.attention import (
     partial_attention,
     partial_attention_reference,
@@ -270,12 +271,27 @@ def check_bf16_autocast_no_worse_than_sdpa(op, backward_in_autocast: bool) -> No
     assert no_worse_than_standard(errors, torch.bfloat16), errors
 
 
+@pytest.mark.parametrize("operand_dtype", [None, torch.bfloat16], ids=["float32_operands", "bf16_operands"])
 @pytest.mark.parametrize("backward_in_autocast", [False, True])
-def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool) -> None:
+def test_bf16_autocast_gradients_no_worse_than_sdpa(backward_in_autocast: bool, operand_dtype) -> None:
     """The blocked op under CPU bf16 autocast (``check_bf16_autocast_no_worse_than_sdpa``). Before the op pinned its
-    compute dtype, its forward scored in bf16 and its backward in float32: 2.5-7x SDPA's error."""
-    check_bf16_autocast_no_worse_than_sdpa(partial(prefix_causal_attention_blocked, block_size=64),
-                                           backward_in_autocast)
+    compute dtype, its forward scored in bf16 and its backward in float32: 2.5-7x SDPA's error. bf16 operands
+    (what CUDA runs for half inputs, float32 sums) stay within SDPA's error too (they did not while the queries
+    were scaled before rounding: 1.9x)."""
+    op = partial(prefix_causal_attention_blocked, block_size=64, operand_dtype=operand_dtype)
+    check_bf16_autocast_no_worse_than_sdpa(op, backward_in_autocast)
+
+
+def test_matmul_operands() -> None:
+    """float32 operands on CPU (no float32-output half matmul there); what CUDA's half path calls, pinned:
+    ``torch.bmm(..., out_dtype=torch.float32)`` for bf16 operands returns float32 (checked on the meta device)."""
+    assert blocked_ops.matmul_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
+    assert blocked_ops.matmul_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+    a = torch.empty(3, 4, 5, dtype=torch.bfloat16, device="meta")
+    assert torch.bmm(a, a.transpose(-1, -2), out_dtype=torch.float32).dtype == torch.float32
+    assert str(torch.ops.aten.bmm.dtype._schema) == (
+        "aten::bmm.dtype(Tensor self, Tensor mat2, ScalarType out_dtype) -> Tensor"
+    )
 
 
 class LiveBytes(TorchDispatchMode):

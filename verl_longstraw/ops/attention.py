@@ -25,6 +25,7 @@ from .blocked_attention import (
     OwnKeyRule,
     check_key_mask,
     compute_dtype,
+    matmul_dtype,
     partial_attention_blocked,
     prefix_causal_attention_blocked,
 )
@@ -150,6 +151,12 @@ MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond
 ATTENTION_PATHS: Counter[str] = Counter()  # calls of prefix_causal_attention per path it took (gpu_check, logs)
 
 
+def blocked_path_name(q: torch.Tensor) -> str:
+    """How ``ATTENTION_PATHS`` names the blocked op for queries like ``q``: ``blocked``, or ``blocked_half_matmul``
+    where its matmuls take half operands (``ops.blocked_attention.matmul_dtype``: fp16/bf16 on CUDA)."""
+    return "blocked" if matmul_dtype(q) == compute_dtype(q.dtype) else "blocked_half_matmul"
+
+
 def prefix_causal_attention(
     q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask: torch.Tensor | None = None, cache: dict | None = None
 ) -> torch.Tensor:
@@ -162,7 +169,8 @@ def prefix_causal_attention(
     - ``shared_prefix_partial``: else, for such a shared prefix (``key_mask`` [B, T, P + T]),
       ``shared_prefix_attention``;
     - ``sdpa_mask``: else one SDPA call while its explicit mask [G*T, P + T] stays within ``MASK_BYTES_LIMIT``;
-    - ``blocked``: else the blocked online-softmax op, which saves only inputs, output, logsumexp and ``key_mask``.
+    - ``blocked`` (``blocked_path_name``): else the blocked online-softmax op, which saves only inputs, output,
+      logsumexp and ``key_mask``.
     """
     if q.shape[0] != k_prefix.shape[0] and k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix is free
         k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
@@ -181,7 +189,7 @@ def prefix_causal_attention(
     elif rows * total * q.element_size() <= MASK_BYTES_LIMIT:
         path = "sdpa_mask"
     else:
-        ATTENTION_PATHS["blocked"] += 1
+        ATTENTION_PATHS[blocked_path_name(q)] += 1
         block = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
         return prefix_causal_attention_blocked(
             q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block

@@ -16,7 +16,11 @@ blocks with an online softmax, so the largest temporary is one block of scores
 [B, Hq, N] are saved; the backward recomputes each block's probabilities from the logsumexp.
 Query heads of a group are folded into the row dimension ([B, Hk, G*N, D] with G = Hq // Hk),
 so grouped heads share their key head without repeating K/V. Arithmetic is float32 (float64
-for float64 inputs) in the forward and the backward alike, also under autocast.
+for float64 inputs) in the forward and the backward alike, also under autocast: the running max, sum and
+output, the scores, probabilities and every gradient. The matmuls' operands are float32 too, except for
+fp16/bf16 inputs on CUDA (``matmul_dtype``): there they are the half inputs, probabilities and gradients
+rounded to it, with float32 products and sums (tensor cores, as flash attention; e.g. MLA's absorbed head
+dims 576/512, which no fused kernel takes).
 
 ``prefix_causal_attention_blocked`` is the single-segment op (output only, in q's dtype), with
 the signature and semantics of ``prefix_causal_attention_reference`` in
@@ -71,9 +75,43 @@ def _key_blocks(prefix_len: int, own_len: int, block_size: int) -> Iterator[tupl
         yield True, start, min(start + block_size, own_len)
 
 
+@functools.cache
+def _float_output_bmm(device: torch.device) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` runs for bfloat16 operands on ``device`` (CUDA builds)."""
+    a = torch.ones(1, 8, 8, dtype=torch.bfloat16, device=device)
+    try:
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def matmul_dtype(q: torch.Tensor) -> torch.dtype:
+    """Operand dtype of the blocked op's matmuls for queries like ``q``: fp16/bf16 on CUDA (tensor cores, products
+    summed and returned in float32 by ``torch.bmm(..., out_dtype=torch.float32)``, as flash attention keeps its
+    scores), else ``compute_dtype`` (float32 matmuls; CPU has no float32-output half matmul)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _float_output_bmm(q.device):
+        return q.dtype
+    return compute_dtype(q.dtype)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, operand: torch.dtype, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` ([..., n, m] @ [..., m, k], same leading dims) from operands rounded to ``operand``, summed and
+    returned in ``acc``. For half operands: one CUDA ``bmm`` with float32 output, elsewhere the same arithmetic
+    by float32 matmul of the rounded operands (their products are exact in float32), which is how tests on CPU
+    exercise it."""
+    if operand == acc:
+        return a.to(acc) @ b.to(acc)
+    if a.is_cuda:
+        out = torch.bmm(a.to(operand).flatten(0, -3), b.to(operand).flatten(0, -3), out_dtype=acc)
+        return out.unflatten(0, a.shape[:-2])
+    return a.to(operand).to(acc) @ b.to(operand).to(acc)
+
+
 def _block_scores(
-    q_scaled: torch.Tensor,
+    q_rows: torch.Tensor,
     k_block: torch.Tensor,
+    scale: float,
+    dtypes: tuple[torch.dtype, torch.dtype],
     groups: int,
     is_own: bool,
     start: int,
@@ -82,13 +120,14 @@ def _block_scores(
     own_keys: OwnKeyRule,
     key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Scores [B, Hk, G*N, n] of scaled query rows [B, Hk, G*N, D] against keys [B, Hk, n, D].
+    """Scores [B, Hk, G*N, n] (``scale`` x dot products) of query rows [B, Hk, G*N, D] against keys [B, Hk, n, D],
+    from matmul operands and into an accumulator of ``dtypes`` (``_matmul``).
 
     Own keys that ``own_keys`` hides get -inf, and so do keys that ``key_mask`` [N, P + T] hides
     (``start`` is relative to the prefix or the own keys).
     """
-    scores = q_scaled @ k_block.transpose(-1, -2)
-    rows, n = q_scaled.shape[-2] // groups, k_block.shape[-2]
+    scores = _matmul(q_rows, k_block.transpose(-1, -2), *dtypes) * scale
+    rows, n = q_rows.shape[-2] // groups, k_block.shape[-2]
     hidden = own_keys.hidden(rows, own_len, start, start + n, scores.device) if is_own else None
     if key_mask is not None:
         offset = prefix_len if is_own else 0
@@ -140,22 +179,24 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         own_keys: OwnKeyRule,
         block_size: int,
         out_dtype: torch.dtype,
+        operand: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, q_heads, rows, _ = q.shape
         kv_heads, own_len = k_self.shape[1], k_self.shape[-2]
         groups = q_heads // kv_heads
         dtype = compute_dtype(q.dtype)
-        q_scaled = q.to(dtype).reshape(batch, kv_heads, groups * rows, -1) * scale
+        dtypes = (operand, dtype)
+        q_rows = q.reshape(batch, kv_heads, groups * rows, -1).to(operand)
         keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
 
-        row_max = q_scaled.new_full(q_scaled.shape[:-1], float("-inf"))
-        row_sum = q_scaled.new_zeros(q_scaled.shape[:-1])
-        acc = q_scaled.new_zeros(*q_scaled.shape[:-1], v_self.shape[-1])
+        row_max = q.new_full(q_rows.shape[:-1], float("-inf"), dtype=dtype)
+        row_sum = q.new_zeros(q_rows.shape[:-1], dtype=dtype)
+        acc = q.new_zeros(*q_rows.shape[:-1], v_self.shape[-1], dtype=dtype)
         for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, block_size):
-            k_block = keys[is_own][..., start:end, :].to(dtype)
-            v_block = values[is_own][..., start:end, :].to(dtype)
+            k_block = keys[is_own][..., start:end, :]
+            v_block = values[is_own][..., start:end, :]
             scores = _block_scores(
-                q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, own_keys, key_mask
+                q_rows, k_block, scale, dtypes, groups, is_own, start, k_prefix.shape[-2], own_len, own_keys, key_mask
             )
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # rows with no visible key so far keep max -inf: shift by 0 instead
@@ -163,7 +204,7 @@ class _PartialAttentionBlocked(torch.autograd.Function):
             probs = (scores - shift.unsqueeze(-1)).exp()
             correction = (row_max - shift).exp()
             row_sum = row_sum * correction + probs.sum(dim=-1)
-            acc = acc * correction.unsqueeze(-1) + probs @ v_block
+            acc = acc * correction.unsqueeze(-1) + _matmul(probs, v_block, *dtypes)
             row_max = new_max
 
         # rows that saw no key: acc and row_sum are 0 -> output 0, logsumexp -inf
@@ -171,7 +212,7 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         out = out.reshape(batch, q_heads, rows, -1).to(out_dtype)
         logsumexp = (row_max + row_sum.log()).reshape(batch, q_heads, rows)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, logsumexp, key_mask)
-        ctx.scale, ctx.own_keys, ctx.block_size = scale, own_keys, block_size
+        ctx.scale, ctx.own_keys, ctx.block_size, ctx.operand = scale, own_keys, block_size, operand
         return out, logsumexp
 
     @staticmethod
@@ -184,38 +225,40 @@ class _PartialAttentionBlocked(torch.autograd.Function):
         kv_heads, own_len = k_self.shape[1], k_self.shape[-2]
         groups = q_heads // kv_heads
         dtype = logsumexp.dtype  # the forward's compute dtype
+        dtypes = (ctx.operand, dtype)
         folded = (batch, kv_heads, groups * rows, -1)
         keys, values = {False: k_prefix, True: k_self}, {False: v_prefix, True: v_self}
         # one gradient per K/V input that needs one, in its dtype; key block [start, end) writes rows start:end
         needs = dict(zip(("q", "k_prefix", "v_prefix", "k_self", "v_self"), ctx.needs_input_grad, strict=False))
         grad_k = {False: _empty_if(needs["k_prefix"], k_prefix), True: _empty_if(needs["k_self"], k_self)}
         grad_v = {False: _empty_if(needs["v_prefix"], v_prefix), True: _empty_if(needs["v_self"], v_self)}
-        q_scaled = q.to(dtype).reshape(folded) * ctx.scale
+        q_rows = q.reshape(folded).to(ctx.operand)
         grad_out = grad_out.to(dtype).reshape(folded)
         # d(score) = p * (dO.v - delta) with delta = rowsum(dO * O) - d(logsumexp), since d(logsumexp)/d(score) = p
         delta = (grad_out * out.to(dtype).reshape(folded)).sum(dim=-1, keepdim=True)
         delta = delta - grad_logsumexp.to(dtype).reshape(folded)
         # rows that saw no key have only -inf scores: any finite shift gives p = 0 there instead of NaN
         shift = logsumexp.masked_fill(logsumexp == float("-inf"), 0.0).reshape(folded)
-        grad_q_scaled = torch.zeros_like(q_scaled) if needs["q"] else None
+        grad_out = grad_out.to(ctx.operand)  # a matmul operand from here on
+        grad_q_rows = torch.zeros_like(q_rows, dtype=dtype) if needs["q"] else None
         for is_own, start, end in _key_blocks(k_prefix.shape[-2], own_len, ctx.block_size):
-            k_block = keys[is_own][..., start:end, :].to(dtype)
-            scores = _block_scores(
-                q_scaled, k_block, groups, is_own, start, k_prefix.shape[-2], own_len, ctx.own_keys, key_mask
-            )
+            k_block = keys[is_own][..., start:end, :]
+            scores = _block_scores(q_rows, k_block, ctx.scale, dtypes, groups, is_own, start, k_prefix.shape[-2],
+                                   own_len, ctx.own_keys, key_mask)
             probs = (scores - shift).exp()
             if grad_v[is_own] is not None:
-                grad_v[is_own][..., start:end, :] = probs.transpose(-1, -2) @ grad_out
-            if grad_q_scaled is None and grad_k[is_own] is None:
+                grad_v[is_own][..., start:end, :] = _matmul(probs.transpose(-1, -2), grad_out, *dtypes)
+            if grad_q_rows is None and grad_k[is_own] is None:
                 continue
-            v_block = values[is_own][..., start:end, :].to(dtype)
-            grad_scores = probs * (grad_out @ v_block.transpose(-1, -2) - delta)
-            if grad_q_scaled is not None:
-                grad_q_scaled += grad_scores @ k_block
+            v_block = values[is_own][..., start:end, :]
+            # gradient of the scaled scores: scale * d(score)
+            grad_scores = probs * (_matmul(grad_out, v_block.transpose(-1, -2), *dtypes) - delta) * ctx.scale
+            if grad_q_rows is not None:
+                grad_q_rows += _matmul(grad_scores, k_block, *dtypes)
             if grad_k[is_own] is not None:
-                grad_k[is_own][..., start:end, :] = grad_scores.transpose(-1, -2) @ q_scaled
-        grad_q = (grad_q_scaled * ctx.scale).reshape(q.shape).to(q.dtype) if grad_q_scaled is not None else None
-        return grad_q, grad_k[False], grad_v[False], grad_k[True], grad_v[True], None, None, None, None, None
+                grad_k[is_own][..., start:end, :] = _matmul(grad_scores.transpose(-1, -2), q_rows, *dtypes)
+        grad_q = grad_q_rows.reshape(q.shape).to(q.dtype) if grad_q_rows is not None else None
+        return grad_q, grad_k[False], grad_v[False], grad_k[True], grad_v[True], None, None, None, None, None, None
 
 
 def check_key_mask(key_mask: torch.Tensor | None, rows: int, keys: int) -> None:
@@ -238,18 +281,21 @@ def partial_attention_blocked(
     key_mask: torch.Tensor | None = None,
     block_size: int = 1024,
     out_dtype: torch.dtype | None = None,
+    operand_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocked online-softmax attention of N query rows over the prefix and the own keys ``own_keys`` lets them see.
 
-    Shapes in the module docstring; ``block_size`` keys are scored at a time. Returns the output
+    Shapes in the module docstring; ``block_size`` keys are scored at a time; the matmuls take operands in
+    ``operand_dtype`` (default ``matmul_dtype(q)``) and sum in the arithmetic dtype. Returns the output
     [B, Hq, N, Dv] in ``out_dtype`` (default: the arithmetic dtype) and the logsumexp of the scores
     [B, Hq, N] in the arithmetic dtype (-inf, with output 0, for rows that see no key); both are
     differentiable.
     """
     check_key_mask(key_mask, q.shape[-2], k_prefix.shape[-2] + k_self.shape[-2])
     out_dtype = out_dtype or compute_dtype(q.dtype)
+    operand_dtype = operand_dtype or matmul_dtype(q)
     return _PartialAttentionBlocked.apply(
-        q, k_prefix, v_prefix, k_self, v_self, key_mask, scale, own_keys, block_size, out_dtype
+        q, k_prefix, v_prefix, k_self, v_self, key_mask, scale, own_keys, block_size, out_dtype, operand_dtype
     )
 
 
@@ -262,12 +308,15 @@ def prefix_causal_attention_blocked(
     scale: float,
     block_size: int = 1024,
     key_mask: torch.Tensor | None = None,
+    operand_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Blocked online-softmax attention over prefix + causal segment. Returns [B, Hq, T, Dv] in q's dtype.
 
     Arguments as ``prefix_causal_attention_reference``; ``block_size`` keys are scored at a time;
-    ``key_mask`` [T, P + T] bool (True = visible) restricts which keys each query sees.
+    ``key_mask`` [T, P + T] bool (True = visible) restricts which keys each query sees; ``operand_dtype``
+    as ``partial_attention_blocked``.
     """
     return partial_attention_blocked(
-        q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block_size, out_dtype=q.dtype
+        q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, block_size=block_size, out_dtype=q.dtype,
+        operand_dtype=operand_dtype,
     )[0]

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.attention import ATTENTION_PATHS, key_block_size, lse_weight, prefix_causal_attention
+from ..ops.attention import ATTENTION_PATHS, blocked_path_name, key_block_size, lse_weight, prefix_causal_attention
 from ..ops.blocked_attention import OwnKeyRule, autocast_off, compute_dtype, partial_attention_blocked
 from ..ops.fused_attention import FUSED_PATHS, fused_kernel_dtype, fused_partial_backward, fused_partial_forward
 from .comm import Group, all_gather, gather_padded, group_rank, group_size, reduce_scatter, reduce_scatter_padded
@@ -117,7 +117,7 @@ def sharded_prefix_attention(
         return _ShardedFusedAttention.apply(
             q, k_prefix, v_prefix, k_self, v_self, scale, dtype, group, tuple(query_sizes), own_keys
         )
-    ATTENTION_PATHS["sharded_blocked"] += 1
+    ATTENTION_PATHS["sharded_" + blocked_path_name(q)] += 1
     queries = torch.cat(all_gather(q, group, query_sizes, dim=-2), dim=-2)
     block_size = block_size or key_block_size(queries.shape[:-1].numel(), compute_dtype(queries.dtype).itemsize)
     out, logsumexp = partial_attention_blocked(
