@@ -17,12 +17,16 @@ Stages (each gets a share of ``--budget-seconds``, 480 s by default; ``--<stage>
    ``group_backward``, gradients reduce-scattered (``sync_gradients``); full gradients and log-probs
    compared with the unwrapped float32 standard path, bounded by the standard path's error on the same
    wrapped model under the same policy;
-3. scale: random-init layer stacks at real widths (Qwen3.5-27B: hidden 5120, 3 Gated DeltaNet + 1
+3. ops: the prefix-attention ops at a real layer's shapes (Qwen3.5-27B attention, GLM-5 MLA absorbed; P 8192,
+   T 1024), bfloat16 forward + backward against float64 on the same values, bounded by the standard path's
+   (SDPA with a mask) own error, with seconds and peak memory of both: the dispatch (fused flash kernels; the
+   blocked op with half matmul operands for MLA) and context-parallel pass-Q's arithmetic on two key shards;
+4. scale: random-init layer stacks at real widths (Qwen3.5-27B: hidden 5120, 3 Gated DeltaNet + 1
    full-attention layer; GLM-5: MLA, hidden 6144, 3 layers), bfloat16; for standard / exact
    (chunked) / detached and G in {2, 8}, P doubles until the path runs out of memory or time (each
    (model, G, path) series gets an equal share of the stage's time); peak
    memory is ``torch.cuda.max_memory_allocated`` (on CPU: bytes saved for backward, SavedTensorMeter);
-4. report: JSON and markdown under ``benchmarks/results/``, rewritten after every stage: the rows, the
+5. report: JSON and markdown under ``benchmarks/results/``, rewritten after every stage: the rows, the
    longest P that fits per path, which kernels ran per stage (prefix-attention calls per path, the
    gated delta rule's kernel: flash-linear-attention or plain torch) and the torch / CUDA / fla versions.
 A case (one row) that overruns its time is interrupted (SIGALRM) and recorded as ``{"skipped": "time
@@ -63,7 +67,9 @@ except ImportError:
     held_unsharded = sync_gradients = None
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.ops import gated_delta_rule as gdn
-from verl_longstraw.ops.attention import ATTENTION_PATHS
+from verl_longstraw.ops.attention import ATTENTION_PATHS, prefix_causal_attention, prefix_causal_attention_reference
+from verl_longstraw.ops.blocked_attention import OwnKeyRule
+from verl_longstraw.ops.fused_attention import fused_kernel_dtype, fused_partial_backward, fused_partial_forward
 from verl_longstraw.testing import (
     full_log_probs,
     grads_of,
@@ -82,9 +88,13 @@ TINY_FAMILY = {"qwen3_like": "qwen3", "glm5_like": "glm_moe_dsa"}  # metered CPU
 TOLERANCE = 1e-4  # float32: max |log p| error and gradient relative L2
 # DSA's top-k selection below the prompt length; 16 indexer heads make exact score ties improbable
 OVERRIDES = {"glm_moe_dsa": {"index_topk": 24, "index_n_heads": 16}}
-SHARES = {"equivalence": 0.25, "fsdp2": 0.15, "scale": 0.6}  # of the budget after RESERVE_SECONDS
+SHARES = {"equivalence": 0.25, "fsdp2": 0.15, "ops": 0.1, "scale": 0.5}  # of the budget after RESERVE_SECONDS
 RESERVE_SECONDS = 30.0  # imports, CUDA start, report and teardown
 AUTOCAST = "autocast_bfloat16"
+# the attention op of a real layer: (query heads, key heads, query/key dim, value dim); MLA absorbed (latent + rope)
+OP_SHAPES = {"qwen3.5-27b attention": (24, 4, 256, 256), "glm-5 mla absorbed": (64, 1, 576, 512)}
+TINY_OP_SHAPES = {"attention": (4, 2, 32, 32), "mla absorbed": (4, 1, 40, 32)}
+OP_NAMES = ("out", "q", "k_prefix", "v_prefix", "k_self", "v_self")
 
 
 class CaseTimeout(TimeoutError):
@@ -283,6 +293,99 @@ def fsdp2(device: torch.device, families: tuple[str, ...], prompt_len: int, dead
     return rows
 
 
+def op_inputs(shape: tuple[int, int, int, int], seg_len: int, prefix_len: int, device: torch.device) -> list:
+    """float64 (q, k_prefix, v_prefix, k_self, v_self) of one sequence, values already rounded to bfloat16."""
+    q_heads, kv_heads, dim, v_dim = shape
+    gen = torch.Generator(device).manual_seed(0)
+    shapes = [(q_heads, seg_len, dim), (kv_heads, prefix_len, dim), (kv_heads, prefix_len, v_dim),
+              (kv_heads, seg_len, dim), (kv_heads, seg_len, v_dim)]
+    return [torch.randn(1, *s, generator=gen, device=device).bfloat16().double() for s in shapes]
+
+
+def with_grads(fn: Callable, inputs: list, weight: torch.Tensor, dtype: torch.dtype) -> tuple[dict, float, int | None]:
+    """(output and input gradients of sum(fn(*inputs in dtype) * weight), seconds, peak CUDA bytes or None)."""
+    xs = [x.to(dtype).requires_grad_() for x in inputs]
+    sync = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
+    if weight.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    started = time.perf_counter()
+    out, grads = fn(xs, weight.to(dtype))
+    sync()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if weight.is_cuda else None
+    return dict(zip(OP_NAMES, (out, *grads), strict=True)), seconds, peak
+
+
+def autograd_op(op: Callable, scale: float) -> Callable:
+    def run(xs, weight):
+        out = op(*xs, scale)
+        return out.detach(), torch.autograd.grad((out * weight).sum(), xs)
+    return run
+
+
+def pass_q_two_ranks(scale: float) -> Callable:
+    """What ``parallel.attention``'s fused pass-Q computes on two ranks, in one process: the prefix rows and the own
+    keys split in halves, each half's fused partial attention of all queries (``OwnKeyRule`` of rank r), merged by
+    logsumexp; each half's kernel backward given the merged output and logsumexp (the ring identity)."""
+    def run(xs, weight):
+        q, k_prefix, v_prefix, k_self, v_self = (x.detach() for x in xs)
+        dtype = fused_kernel_dtype(q.device, q.dtype, q.shape[1], k_self.shape[1], q.shape[-1], v_self.shape[-1])
+        half_p, half_t = k_prefix.shape[-2] // 2, q.shape[-2] // 2
+        shards = [(slice(0, half_p), slice(0, half_t)), (slice(half_p, None), slice(half_t, None))]
+        rules = [OwnKeyRule(0, True), OwnKeyRule(half_t, True)]
+        keys = [(k_prefix[..., p, :], v_prefix[..., p, :], k_self[..., t, :], v_self[..., t, :]) for p, t in shards]
+        parts = [fused_partial_forward(q, *kv, scale, dtype, rule) for kv, rule in zip(keys, rules, strict=True)]
+        lse = torch.logsumexp(torch.stack([part_lse for _, part_lse, _ in parts]), dim=0)
+        out = sum(o * (part_lse - lse).exp().unsqueeze(-1) for o, part_lse, _ in parts).to(q.dtype)
+        grads = [fused_partial_backward(weight, q, *kv, out, lse, scale, dtype, rule, extras)
+                 for kv, rule, (_, _, extras) in zip(keys, rules, parts, strict=True)]
+        grad_q = sum(g[0].float() for g in grads).to(q.dtype)
+        joined = [torch.cat([g[i] for g in grads], dim=-2) for i in range(1, 5)]
+        return out, (grad_q, *joined)
+    return run
+
+
+def op_case(name: str, shape: tuple, op: str, seg_len: int, prefix_len: int, device: torch.device) -> dict:
+    """One op on bfloat16 inputs against the float64 reference on the same values, with the standard path's own
+    errors (SDPA with an explicit mask, bfloat16); seconds and peak memory of the op and of the standard path."""
+    inputs = op_inputs(shape, seg_len, prefix_len, device)
+    scale = shape[2] ** -0.5
+    weight = torch.randn(1, shape[0], seg_len, shape[3], generator=torch.Generator(device).manual_seed(1),
+                         device=device, dtype=torch.float64)
+    reference, _, _ = with_grads(autograd_op(prefix_causal_attention_reference, scale), inputs, weight, torch.float64)
+    run = pass_q_two_ranks(scale) if op == "pass_q_two_ranks" else autograd_op(prefix_causal_attention, scale)
+    ATTENTION_PATHS.clear()
+    result, seconds, peak = with_grads(run, inputs, weight, torch.bfloat16)
+    paths = dict(ATTENTION_PATHS)
+    standard, standard_seconds, standard_peak = with_grads(
+        autograd_op(prefix_causal_attention_reference, scale), inputs, weight, torch.bfloat16)
+    def error(x: torch.Tensor, k: str) -> float:  # relative L2 against the float64 reference
+        return float((x.double() - reference[k]).norm() / reference[k].norm())
+
+    errors = {k: error(result[k], k) for k in OP_NAMES} | {f"standard_{k}": error(standard[k], k) for k in OP_NAMES}
+    return {"shape": name, "op": op, "T": seg_len, "P": prefix_len, "paths": paths, "errors": errors,
+            "passed": no_worse_than_standard(errors, torch.bfloat16), "seconds": seconds,
+            "standard_seconds": standard_seconds, "peak_bytes": peak, "standard_peak_bytes": standard_peak}
+
+
+def ops(device: torch.device, tiny: bool, deadline: float) -> list[dict]:
+    """The prefix-attention ops at a real layer's shapes (bfloat16, forward + backward): the dispatch
+    (``prefix_causal_attention``: the fused flash kernels, or for MLA the blocked op with half matmul operands) and
+    the context-parallel pass-Q arithmetic on two key shards (fused kernels only), each against float64."""
+    seg_len, prefix_len = (16, 48) if tiny else (1024, 8192)
+    shapes = TINY_OP_SHAPES if tiny else OP_SHAPES
+    op_names = ("prefix_causal_attention", "pass_q_two_ranks")
+    cases = [(name, shape, op) for name, shape in shapes.items() for op in op_names
+             if op != "pass_q_two_ranks" or shape[2] == shape[3]]  # pass-Q's fused path: value dim == key dim
+    rows = []
+    for index, (name, shape, op) in enumerate(cases):
+        case = functools.partial(op_case, name, shape, op, seg_len, prefix_len, device)
+        row, why = attempt(case_deadline(deadline, len(cases) - index), case)
+        rows.append(row or {"shape": name, "op": op, "skipped": why})
+    return rows
+
+
 def scale_configs(tiny: bool) -> dict[str, transformers.PretrainedConfig]:
     """Real-width (or, with ``tiny``, small) random-init stacks with few layers and a small vocabulary."""
     if tiny:
@@ -455,6 +558,19 @@ def markdown(result: dict) -> str:
     lines += ["", "## FSDP2 (1 rank, bfloat16 parameters, float32 reduce, autocast) vs the float32 standard path", "",
               f"| family | {header}", "|---|---|---|---|"]
     lines += [f"| {r['family']} | {error_cells(r)}" for r in result.get("fsdp2", [])]
+    lines += ["", "## Attention ops, bfloat16 forward + backward, vs float64 (relative L2 of output and input "
+              "gradients; standard: SDPA with a mask in bfloat16)", "",
+              "| shape | op | T | P | paths | largest error / standard's | passed | s (standard s) | peak GiB "
+              "(standard) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result.get("ops", []):
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['op']} | | | skipped: {r['skipped']} | | | | |")
+            continue
+        worst = max(r["errors"][k] / max(r["errors"][f"standard_{k}"], 1e-30) for k in OP_NAMES)
+        peak = ("-" if r["peak_bytes"] is None else
+                f"{r['peak_bytes'] / 2**30:.2f} ({r['standard_peak_bytes'] / 2**30:.2f})")
+        lines.append(f"| {r['shape']} | {r['op']} | {r['T']} | {r['P']} | {r['paths']} | {worst:.2f} | {r['passed']} | "
+                     f"{r['seconds']:.3f} ({r['standard_seconds']:.3f}) | {peak} |")
     lines += ["", f"## Peak memory ({result['memory_metric']}) and seconds", "",
               "| model | G | path | P | peak GiB | seconds | fits |", "|---|---|---|---|---|---|---|"]
     for r in result.get("scale", []):
@@ -513,6 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
     stages = {
         "equivalence": lambda deadline: equivalence(device, families, prompt_len, deadline),
         "fsdp2": lambda deadline: fsdp2(device, fsdp2_families, prompt_len, deadline),
+        "ops": lambda deadline: ops(device, args.tiny, deadline),
         "scale": lambda deadline: scale(device, args.tiny, deadline),
     }
     recorder = KernelRecorder()

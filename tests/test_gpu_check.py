@@ -26,7 +26,7 @@ def _compared(row: dict) -> bool:
 
 def test_gpu_check_tiny(tmp_path):
     args = ["--tiny", "--out", str(tmp_path), "--equivalence-seconds", "60", "--fsdp2-seconds", "30",
-            "--scale-seconds", "15"]
+            "--scale-seconds", "15", "--ops-seconds", "20"]
     with torch.device("meta"):
         result = gpu_check.main(args)
     rows = result["equivalence"]
@@ -43,7 +43,13 @@ def test_gpu_check_tiny(tmp_path):
     assert any(r["fits"] for r in result["scale"])
     assert {r["path"] for r in result["scale"]} == {"standard", "exact", "detached"}
     kernels = result["kernels"]
-    assert set(kernels) == {"equivalence", "fsdp2", "scale"} and all(k["attention"] for k in kernels.values())
+    assert set(kernels) == {"equivalence", "fsdp2", "ops", "scale"} and kernels["ops"]["attention"]
+    assert all(k["attention"] for k in kernels.values())
+    ops = result["ops"]  # the fused op and two-shard pass-Q at a GQA shape, and MLA's, within the standard's error
+    assert [(r["shape"], r["op"]) for r in ops] == [("attention", "prefix_causal_attention"),
+                                                    ("attention", "pass_q_two_ranks"),
+                                                    ("mla absorbed", "prefix_causal_attention")], ops
+    assert all(r["passed"] for r in ops) and ops[0]["paths"] == {"fused_flash_cpu": 1}, ops
     assert any("plain torch" in path for path in kernels["equivalence"]["gated_delta_rule"]), kernels
     assert result["versions"]["torch"] == torch.__version__ and result["versions"]["fla_kernel_importable"] is False
     report = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
