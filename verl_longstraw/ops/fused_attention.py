@@ -58,10 +58,11 @@ def fused_kernel_dtype(
 
 @functools.cache
 def _flash_accepts(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, dim: int) -> bool:
-    """Whether CUDA's flash kernel takes queries/keys of these heads, head dim and dtype, causal or not
-    (asked on small stand-in tensors: lengths do not enter its limits)."""
-    q = torch.empty(1, q_heads, 8, dim, device=device, dtype=dtype)
-    k = torch.empty(1, kv_heads, 8, dim, device=device, dtype=dtype)
+    """Whether CUDA's flash kernel takes queries/keys of these heads, head dim and dtype, causal or not, for training
+    (asked on small stand-in tensors that require gradients: lengths do not enter its limits, and some GPUs take
+    head dims in the forward only)."""
+    q = torch.empty(1, q_heads, 8, dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.empty(1, kv_heads, 8, dim, device=device, dtype=dtype, requires_grad=True)
     return all(can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, causal, q_heads != kv_heads))
                for causal in (False, True))
 
