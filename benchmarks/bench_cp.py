@@ -36,6 +36,7 @@ import verl_longstraw.api as api
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.ops.fused_attention import fused_kernel_dtype
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.parallel.layout import PromptLayout, ReplayRounds
@@ -159,6 +160,8 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
     config = tiny_config(family)
     b, f = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
     heads, dim, v_dim = attention_dims(config)
+    kv_heads = 1 if hasattr(config, "kv_lora_rank") else config.num_key_value_heads
+    fused = fused_kernel_dtype(torch.device("cpu"), dtype, heads, kv_heads, dim, v_dim) is not None  # pass-Q's path
     kinds = layer_kinds(config)
     out = {phase: Counter() for phase in PHASES}
     if world == 1:
@@ -170,7 +173,7 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
             if kind == "attention" and not (consecutive and idx == len(kinds) - 1):
                 counter["all_gather"] += world * longest * heads * dim * b + world * total * heads * f
                 counter["reduce_scatter"] += world * longest * heads * v_dim * f
-                if backward and v_dim == dim:  # fused kernels
+                if backward and fused:
                     counter["all_gather"] += world * longest * heads * 2 * v_dim * b
                     counter["reduce_scatter"] += world * longest * heads * dim * b
                 elif backward:  # blocked op
