@@ -59,10 +59,10 @@ from verl_longstraw.estimate import (
     unsharded_bytes,
 )
 from verl_longstraw.parallel import comm
+from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.state import PromptState
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
-from .fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from .losses import splits_by_response
 from .regroup import (
     Fragment,

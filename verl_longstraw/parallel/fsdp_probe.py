@@ -1,6 +1,6 @@
 """Test instrumentation of FSDP2 (torch 2.13 ``torch.distributed.fsdp._fully_shard``): its collectives
 and how many decoder layers are unsharded at once. Used by the CP tests and never by training; the
-one module outside ``integration/fsdp2.py`` that reads FSDP2's private state.
+one module outside ``parallel/fsdp2.py`` that reads FSDP2's private state.
 """
 
 from __future__ import annotations

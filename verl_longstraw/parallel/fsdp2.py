@@ -53,7 +53,7 @@ def sharding_settings(root: nn.Module) -> dict[FSDPModule, ShardingSettings]:
 
     The one place that reads FSDP2's private state: FSDP2 has setters for these settings but
     no getters, and the root settles its own reshard-after-forward at its lazy initialization
-    (normally its first forward), which this runs first. tests/integration/test_fsdp2.py pins
+    (normally its first forward), which this runs first. tests/parallel/test_fsdp2.py pins
     the readings against the public setters. A module without parameters reads as `HELD`.
     """
     if isinstance(root, FSDPModule):

@@ -1,4 +1,4 @@
-"""FSDP2 control (integration/fsdp2.py) on a tiny fully_shard model: settings read back as the public
+"""FSDP2 control (parallel/fsdp2.py) on a tiny fully_shard model: settings read back as the public
 setters wrote them, held unsharded inside `held_unsharded`, restored as found on exit."""
 
 import pytest
@@ -8,7 +8,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl_longstraw.integration.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings
+from verl_longstraw.parallel.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings
+from verl_longstraw.parallel.launch import free_port
+
+
+@pytest.fixture(scope="module")
+def dist() -> None:
+    """A world-size-1 gloo group (torch only: these helpers must import and run without veRL)."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
 
 
 @pytest.fixture
