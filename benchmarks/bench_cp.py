@@ -55,15 +55,18 @@ arithmetic dtype (4 for float32 and bfloat16 models)):
 - pass-Q attention, per attention layer per segment (a capture or recompute chunk, a replay round):
   forward: all-gather of the queries R*L*Hq*D*b, of the logsumexps R*N*Hq*f, reduce-scatter of the
   weighted partial outputs R*L*Hq*Dv*f (the design study's, §3.3). Backward on the fused kernels (Dv = D):
-  all-gather of d(output) and output R*L*Hq*2*Dv*b, reduce-scatter of d(queries) R*L*Hq*D*b; on the
+  all-gather of d(output) and output R*L*Hq*2*Dv*b, reduce-scatter of d(queries) R*L*Hq*D*f; on the
   blocked op (MLA: Dv != D): all-gather of d(output) R*L*Hq*Dv*f, reduce-scatters of d(logsumexp)
-  R*N*Hq*f and of d(queries) R*L*Hq*D*b. The design study's backward all-gathers Q again and d(output)
-  in b and (L, delta) in float32 and reduce-scatters dQ in float32: per query Hq*(2*Dv + 6*D + 8) bytes
+  R*N*Hq*f and of d(queries) R*L*Hq*D*f (query gradients are summed in float32). The design study's
+  backward all-gathers Q again and d(output) in b and (L, delta) in float32 and reduce-scatters dQ in
+  float32: per query Hq*(2*Dv + 6*D + 8) bytes
   for a bfloat16 model, where the fused one keeps the gathered queries from the forward and moves
-  Hq*(4*Dv + 2*D) (Qwen3.5-27B, Hq 24, D = Dv = 256, R = 8: 49 KB against 37 KB).
+  Hq*(4*Dv + 4*D) (Qwen3.5-27B, Hq 24, D = Dv = 256, R = 8: 49 KB against 49 KB; 37 KB with d(queries) in
+  bfloat16, which rounds every rank's share).
 - Gated DeltaNet, per linear-attention layer per capture or recompute chunk (replay rounds need
   none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of the conv tails R*min(K-1, L)*C*b
-  (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes.
+  (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes, the
+  tails' in float32 (R*min(K-1, L)*C*f).
 - results: per replay round, all-gather of the log-probs R*L*4 (log-prob replay) and of
   (loss, validity) R*2*4 (training replay).
 The last layer of a capture or recompute chunk only produces state (no attention output, no
@@ -175,10 +178,10 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
                 counter["reduce_scatter"] += world * longest * heads * v_dim * f
                 if backward and fused:
                     counter["all_gather"] += world * longest * heads * 2 * v_dim * b
-                    counter["reduce_scatter"] += world * longest * heads * dim * b
+                    counter["reduce_scatter"] += world * longest * heads * dim * f
                 elif backward:  # blocked op
                     counter["all_gather"] += world * longest * heads * v_dim * f
-                    counter["reduce_scatter"] += world * total * heads * f + world * longest * heads * dim * b
+                    counter["reduce_scatter"] += world * total * heads * f + world * longest * heads * dim * f
             elif kind == "gated_delta" and consecutive:
                 maps = world * config.linear_num_value_heads * config.linear_key_head_dim * (
                     config.linear_key_head_dim + config.linear_value_head_dim) * f
@@ -186,8 +189,8 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
                     config.linear_num_value_heads * config.linear_value_head_dim)
                 tails = world * min(config.linear_conv_kernel_dim - 1, longest) * channels * b
                 counter["all_gather"] += maps + tails
-                if backward:
-                    counter["reduce_scatter"] += maps + tails
+                if backward:  # the tails' gradients are summed in float32
+                    counter["reduce_scatter"] += maps + tails * f // b
 
     layout = PromptLayout(prompt_len - 1, chunk_size, world)
     for k in range(len(layout.chunks)):

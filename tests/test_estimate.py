@@ -25,8 +25,11 @@ import transformers
 import verl_longstraw.api as api
 from verl_longstraw import GroupStats, capture_prompt, group_backward
 from verl_longstraw.estimate import check_budget, estimate_memory
-from verl_longstraw.memory import parameter_meter
+from verl_longstraw.memory import AllocationMeter, parameter_meter
+from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
+from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.parallel.layout import PromptLayout
 from verl_longstraw.testing import make_group, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_config, tiny_model
 
@@ -256,3 +259,54 @@ def test_checkpointed_estimate_changes_only_the_saved_terms(family, cp_size):
     assert 512 // cp_size * inputs < checkpointed.prompt_backward_saved_bytes < plain.prompt_backward_saved_bytes
     # pass-Q: the largest layer's (0 when it is a Gated DeltaNet layer, and in one process)
     assert checkpointed.pass_q_bytes <= plain.pass_q_bytes and (cp_size > 1 or checkpointed.pass_q_bytes == 0)
+
+
+def test_allocation_meter_counts_new_storages_until_freed():
+    """``memory.AllocationMeter`` (a TorchDispatchMode): a storage an op returns counts until freed, once however
+    many views refer to it; views and in-place results of existing storages are not new; ``peak`` keeps the most."""
+    before = torch.zeros(10)
+    with AllocationMeter() as meter:
+        a = torch.empty(1000)  # 4000 bytes
+        view = a[10:]
+        a.add_(1.0)
+        before.mul_(2.0)
+        c = torch.empty(500)  # 2000 bytes
+        del c
+        d = view * 2  # 3960 bytes
+    assert (meter.peak, meter.current) == (4000 + max(2000, 3960), 4000 + 3960), (meter.peak, meter.current)
+    del a, view, d
+    assert meter.current == 0
+
+
+@pytest.mark.parametrize("cp_size", [1, 4])
+def test_estimate_counts_the_fused_attention_backward(cp_size):
+    """The transient of one attention layer's fused backward comes from the op modules' own cost functions, for the
+    device kind asked (CUDA by default), and counts in the total when it is the largest transient; MLA layers take
+    the blocked op (no fused backward)."""
+    config = tiny_config("qwen3")
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    prompt_len, response_len, chunk = 4097, 64, 1024
+    for device_type in ("cuda", "cpu"):
+        e = estimate_memory(config, prompt_len, 8, response_len, chunk, "exact", torch.bfloat16, cp_size=cp_size,
+                            device_type=device_type)
+        layout = PromptLayout(prompt_len - 1, chunk, cp_size)
+        last = len(layout.chunks) - 1
+        if cp_size == 1:
+            replay = fused_backward_transient_bytes(device_type, torch.bfloat16, e.replay_batch, heads, kv_heads,
+                                                    dim, response_len, prompt_len - 1, response_len,
+                                                    shared_prefix=e.replay_batch > 1)
+            prompt = fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim, chunk,
+                                                    layout.rows_before(last, 0), chunk)
+        else:
+            replay = sharded_fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim,
+                                                            [response_len] * cp_size, 0, layout.local_length(0), False)
+            prompt = sharded_fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim,
+                                                            layout.slice_sizes(last), 0, layout.rows_before(last, 0),
+                                                            True)
+        assert (e.replay_backward_transient_bytes, e.prompt_backward_transient_bytes) == (replay, prompt)
+        assert e.transient_bytes == max(e.score_block_bytes, replay, prompt)
+        assert e.total_bytes == (e.state_bytes + e.device_state_grad_bytes + e.saved_peak_bytes
+                                 + e.state_leaf_grad_bytes + e.transient_bytes)
+    mla = estimate_memory(tiny_config("deepseek_v3"), prompt_len, 8, response_len, chunk, "exact", torch.bfloat16,
+                          cp_size=cp_size)
+    assert mla.replay_backward_transient_bytes == mla.prompt_backward_transient_bytes == 0

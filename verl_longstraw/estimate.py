@@ -19,6 +19,12 @@
   include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
   chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
   Gated DeltaNet chunks the affine merge's summary run.
+- ``transient_bytes``: the largest transient of any moment, counted at that moment beside the saved peak: pass-Q's
+  scores of one key block, a row chunk of the replay's scoring, or the fused attention backward of one layer (its
+  key blocks, flash's GQA expansion and dq accumulators on CUDA, its float32 query gradient; under CP also the
+  gathered outputs and the float32 reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention``
+  count for the device kind ``device_type`` (``fused_backward_transient_bytes``,
+  ``sharded_fused_backward_transient_bytes``).
 ``total_bytes`` is what the rank's device holds at the peak, ``host_bytes`` what it keeps on the host.
 
 Terms that grow with the prompt are counted exactly: K/V (or MLA latent) rows that attention
@@ -32,7 +38,7 @@ term; it does not grow with P). ``check_budget`` turns the estimate into an earl
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +47,8 @@ import transformers
 
 from .adapters import adapter_for
 from .ops import attention as attention_ops
+from .ops.fused_attention import fused_backward_transient_bytes
+from .parallel.attention import sharded_fused_backward_transient_bytes
 from .parallel.layout import PromptLayout
 from .replay import REPLAY_TOKENS, SCORE_CHUNK_BYTES
 from .state import StateSpec
@@ -93,8 +101,10 @@ class MemoryEstimate:
     replay_saved_bytes: int  # saved for backward while a batch of ``replay_batch`` responses replays (pass-Q incl.)
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
-    score_block_bytes: int  # the largest transient: CP pass-Q's float32 scores of one key block, or one row chunk
-    # of the replay's scoring (``replay.score``: logits, float32 log-softmax and exp)
+    score_block_bytes: int  # the larger of CP pass-Q's float32 scores of one key block and one row chunk of the
+    # replay's scoring (``replay.score``: logits, float32 log-softmax and exp)
+    replay_backward_transient_bytes: int  # one fused attention layer's backward while a replay backpropagates
+    prompt_backward_transient_bytes: int  # the same while a recomputed prompt chunk backpropagates (exact mode)
     prompt_len: int  # the settings it was computed for
     chunk_size: int | None
     cp_size: int
@@ -110,12 +120,18 @@ class MemoryEstimate:
         return 0 if self.state_grad_on_host else self.state_grad_bytes
 
     @property
+    def transient_bytes(self) -> int:
+        """The largest transient: pass-Q's score block, a scoring chunk or a fused attention layer's backward (they
+        happen at different moments, so the largest counts)."""
+        return max(self.score_block_bytes, self.replay_backward_transient_bytes, self.prompt_backward_transient_bytes)
+
+    @property
     def total_bytes(self) -> int:
         """Device bytes at the peak: state, state-gradient sums unless on the host, the saved peak and the
-        gradients a backward hands the state, and the largest transient (pass-Q's score block or a scoring chunk;
-        each phase's transients counted at their largest)."""
+        gradients a backward hands the state, and the largest transient (``transient_bytes``; each phase's
+        transients counted at their largest)."""
         return (self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
-                + self.score_block_bytes)
+                + self.transient_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -158,9 +174,11 @@ def _mlp_width(config, idx: int) -> int:
 class _Shapes:
     """Per-layer state and per-token widths of a config, on one rank of ``cp_size``."""
 
-    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]], cp_size: int):
+    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]], cp_size: int,
+                 device_type: str):
         self.config = config
         self.kinds = _layer_kinds(config)
+        self.dtype, self.device_type = dtype, device_type
         self.act = dtype.itemsize
         self.compute = torch.promote_types(dtype, torch.float32).itemsize  # attention and delta-rule arithmetic
         self.cp_size = cp_size
@@ -264,6 +282,27 @@ class _Shapes:
             return 0
         block = min(attention_ops.key_block_size(heads * queries, self.compute), keys)
         return 2 * heads * queries * block * self.compute
+
+    def fused_backward_transient(
+        self, batch: int, tokens: int, prefix: int, sizes: Sequence[int], rank: int, consecutive: bool
+    ) -> int:
+        """Transient bytes of one attention layer's fused backward (0 without attention layers that take the fused
+        kernels, ``pass_q_fused``): in one process ``ops.fused_attention.fused_backward_transient_bytes`` of
+        ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the batch when it is > 1), under CP
+        ``parallel.attention.sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes`` (this
+        rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or not. 0 too
+        in one process without a prefix and unfolded heads, where the dispatch takes SDPA's is_causal call
+        (``ops.attention.prefix_causal_attention``), whose backward is not counted."""
+        if not any(kind != "linear" and self.pass_q_fused(kind) for kind in self.kinds):
+            return 0
+        if self.cp_size == 1 and prefix == 0 and self.attention_rows("attention") == 1:
+            return 0
+        heads, dim, _ = self.attention_dims("attention")
+        if self.cp_size == 1:
+            return fused_backward_transient_bytes(self.device_type, self.dtype, batch, heads, self.kv_heads, dim,
+                                                  tokens, prefix, tokens, shared_prefix=batch > 1)
+        return sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, heads, self.kv_heads, dim,
+                                                      sizes, rank, prefix, consecutive)
 
     def saved(
         self,
@@ -385,6 +424,7 @@ def estimate_memory(
     rank: int = 0,
     checkpointed: bool = False,
     replay_tokens: int = REPLAY_TOKENS,
+    device_type: str = "cuda",
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
     for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens.
@@ -411,9 +451,14 @@ def estimate_memory(
     layer's forward/backward transients, a larger share when one layer's saves are held: a one-off CPU count
     of every live storage (tiny float32 models of 8 layers, exact, chunked) peaked at 1.2x (qwen3) to 2.9x
     (qwen3_5) the checkpointed total, and at 1.0-1.4x the plain one.
+
+    ``device_type``: the device kind whose kernels the fused attention backward's transients are counted for
+    (``transient_bytes``; CUDA's flash kernels expand grouped K/V gradients and accumulate dq in float32, the CPU
+    kernel computes half inputs in float32).
     """
     return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
-                     state_grad_on_host, rank, checkpointed=checkpointed, replay_tokens=replay_tokens)
+                     state_grad_on_host, rank, checkpointed=checkpointed, replay_tokens=replay_tokens,
+                     device_type=device_type)
 
 
 def _estimate(
@@ -430,12 +475,13 @@ def _estimate(
     rank: int,
     checkpointed: bool,
     replay_tokens: int,
+    device_type: str,
 ) -> MemoryEstimate:
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     specs = specs if specs is not None else state_specs(config)
-    shapes = _Shapes(config, dtype, specs, cp_size)
+    shapes = _Shapes(config, dtype, specs, cp_size, device_type)
     exact = prompt_grad == "exact"
     captured = prompt_len - 1
     layout = PromptLayout(captured, chunk_size, cp_size) if captured else None
@@ -460,21 +506,26 @@ def _estimate(
         batch=batch,
     )
     replay += batch * response_len * config.hidden_size * shapes.act  # the final hidden states ``score`` saves
+    replay_transient = shapes.fused_backward_transient(batch, response_len, rows, [response_len] * real
+                                                       + [1] * (cp_size - real), rank, consecutive=False)
     score_block = max(score_transient_bytes(config.vocab_size, batch * response_len),
                       shapes.pass_q_score_block(replay_queries, rows + response_len))
     if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
         score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
-    backward = backward_pass_q = 0
+    backward = backward_pass_q = backward_transient = 0
     if exact and chunks:
         # the last chunk has the longest prefix; when it is short, the one before is larger
         for k in range(max(chunks - 2, 0), chunks):
             start, end = layout.chunks[k]
+            sizes, prefix = layout.slice_sizes(k), layout.rows_before(k, rank)
             saved, pass_q = shapes.saved(
-                layout.slice_sizes(k)[rank], end - start, layout.rows_before(k, rank), rows, last_layer_stops=True,
-                consecutive=True, checkpointed=checkpointed,
+                sizes[rank], end - start, prefix, rows, last_layer_stops=True, consecutive=True,
+                checkpointed=checkpointed,
             )
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
+            backward_transient = max(backward_transient, shapes.fused_backward_transient(
+                1, sizes[rank], prefix, sizes, rank, consecutive=True))
     return MemoryEstimate(
         state_bytes=state,
         boundary_bytes=boundaries,
@@ -484,6 +535,8 @@ def _estimate(
         prompt_backward_saved_bytes=backward,
         pass_q_bytes=backward_pass_q if backward >= replay else replay_pass_q,
         score_block_bytes=score_block,
+        replay_backward_transient_bytes=replay_transient,
+        prompt_backward_transient_bytes=backward_transient,
         prompt_len=prompt_len,
         chunk_size=chunk_size,
         cp_size=cp_size,
@@ -511,7 +564,8 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes)}: the float32 "
                      "state-gradient sums in host memory)")
     if e.state_grad_bytes:
-        detached = e.state_bytes - e.boundary_bytes + e.replay_saved_bytes + e.score_block_bytes
+        detached = (e.state_bytes - e.boundary_bytes + e.replay_saved_bytes
+                    + max(e.score_block_bytes, e.replay_backward_transient_bytes))
         knobs.append(f"prompt_grad='detached' ({saving(detached)}; biased: drops the gradient through the prompt)")
     if e.replay_saved_bytes > e.prompt_backward_saved_bytes and e.replay_batch > 1:
         knobs.append(f"replay_tokens smaller (now {e.replay_batch} responses replay together and their replay, "
@@ -528,7 +582,8 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
         f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
         f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
-        f"pass-Q {gib(e.pass_q_bytes)}), transients (score blocks, scoring chunk) {gib(e.score_block_bytes)}. To fit: "
+        f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward) "
+        f"{gib(e.transient_bytes)}. To fit: "
         + "; ".join(knobs) + "; or shorten the prompt"
     )
 
@@ -686,8 +741,8 @@ def gpu_table(
         ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
          e.device_state_grad_bytes, e.host_bytes),
         ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
-        ("largest transient: pass-Q's float32 scores of one key block, one layer, or a scoring row chunk",
-         e.score_block_bytes, 0),
+        ("largest transient: one attention layer's fused backward (key blocks, GQA expansion, float32 dq), "
+         "pass-Q's float32 scores of one key block, or a scoring row chunk", e.transient_bytes, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
          e.replay_saved_bytes, 0),

@@ -1,17 +1,23 @@
-"""Measure memory by storages: what autograd keeps for backward (live and at peak), and what a
-set of tensors keeps alive.
+"""Measure memory by storages: what autograd keeps for backward (live and at peak), what a
+set of tensors keeps alive, and what ops allocate while a block runs (live and at peak).
 
-A tensor that is a view keeps its whole storage alive, so both count whole storages, each
-once however many tensors (or graph nodes) refer to it. The meter does not count parameters
+A tensor that is a view keeps its whole storage alive, so all three count whole storages, each
+once however many tensors (or graph nodes) refer to it. The saved-tensor meter does not count parameters
 (or any tensor passed in ``exclude``), so its figure is the activation memory that a training
 path holds, comparable across paths.
+
+``AllocationMeter`` is the one user of ``torch.utils._python_dispatch.TorchDispatchMode`` (tests/test_estimate.py
+pins what it relies on).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
@@ -82,3 +88,35 @@ class SavedTensorMeter:
 def parameter_meter(model: torch.nn.Module) -> SavedTensorMeter:
     """A meter that ignores ``model``'s parameters."""
     return SavedTensorMeter(exclude=model.parameters())
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Context manager counting the storages that ops allocate while it is active: ``current`` bytes still alive
+    and their ``peak``, in bytes. A storage counts from the op that returns it until it is freed (a weakref
+    finalizer); views and in-place results of storages that existed before are not new. Counts what the dispatcher
+    sees: an op's outputs, not the scratch a kernel allocates and frees inside itself. CPU autograd runs a
+    backward on the calling thread, so a ``torch.autograd.grad`` inside the block is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[tuple[torch.device, int], int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _release(self, key: tuple[torch.device, int]) -> None:
+        self.current -= self._live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {storage_key(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        for x in pytree.tree_leaves(out):
+            if not isinstance(x, torch.Tensor) or not x.untyped_storage().nbytes():
+                continue
+            key = storage_key(x)
+            if key not in given and key not in self._live:
+                storage = x.untyped_storage()
+                self._live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                weakref.finalize(storage, self._release, key)
+        self.peak = max(self.peak, self.current)
+        return out

@@ -71,12 +71,12 @@ MODELS: dict[str, tuple[str, Callable[[], transformers.PretrainedConfig]]] = {
 GPU_BYTES = {"qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "glm5_mla_multinode": 141e9}  # 96 GB; H200 141 GB
 SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fields), per recipe
     "qwen35_27b_1m": [
-        *({"chunk_size": c} for c in (16384, 32768, 65536, 262144)),
+        *({"chunk_size": c} for c in (16384, 32768, 131072, 262144)),
         {"state_grad_on_host": False},
         {"checkpointing": False},
     ],
     "qwen35_27b_4m": [
-        *({"chunk_size": c} for c in (65536, 131072, 524288)),
+        *({"chunk_size": c} for c in (32768, 131072, 262144)),
         *({"cp_size": 8, "chunk_size": c} for c in (65536, 131072, 262144)),
         {"cp_size": 8, "chunk_size": 131072, "prompt_grad": "detached"},
     ],

@@ -3,14 +3,12 @@ blocked path against its dense reference."""
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from verl_longstraw.memory import AllocationMeter
 from verl_longstraw.ops import attention as attention_ops
 from verl_longstraw.ops import blocked_attention as blocked_ops
 from verl_longstraw.ops.attention import (
@@ -294,34 +292,13 @@ def test_matmul_operands() -> None:
     )
 
 
-class LiveBytes(TorchDispatchMode):
-    """Live and peak bytes of the storages that ops allocate while the mode is active (views and
-    in-place results of existing storages are not new)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {x.untyped_storage().data_ptr() for x in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(x)}
-        for x in pytree.tree_leaves(out):
-            storage = x.untyped_storage() if torch.is_tensor(x) else None
-            if storage is not None and storage.nbytes() and storage.data_ptr() not in given | self.live.keys():
-                self.live[storage.data_ptr()] = storage.nbytes()
-                weakref.finalize(storage, self.live.pop, storage.data_ptr(), None)
-        self.peak = max(self.peak, sum(self.live.values()))
-        return out
-
-
 def test_backward_writes_prefix_gradients_in_place() -> None:
     """The backward's peak allocation is its input gradients plus block- and query-sized temporaries: each
     key block's dK/dV goes straight into its rows of the gradient, no per-block lists + cat (which peaked
     at 2x the prefix gradients)."""
     inputs = make_inputs(1, 4, 2, 8, 4096, 16, 16, torch.float32)
     out = prefix_causal_attention_blocked(*inputs.values(), 0.25, block_size=128)
-    with LiveBytes() as memory:
+    with AllocationMeter() as memory:
         grads = torch.autograd.grad(out.sum(), list(inputs.values()))
     grad_bytes = sum(g.nbytes for g in grads)
     prefix_grad_bytes = grads[1].nbytes + grads[2].nbytes  # 1 MiB
@@ -330,7 +307,7 @@ def test_backward_writes_prefix_gradients_in_place() -> None:
     # a prefix that needs no gradient (prompt_grad: detached) costs no dK/dV at all
     out = prefix_causal_attention_blocked(*(x.detach() if "prefix" in n else x for n, x in inputs.items()), 0.25,
                                           block_size=128)
-    with LiveBytes() as memory:
+    with AllocationMeter() as memory:
         grads = torch.autograd.grad(out.sum(), [x for n, x in inputs.items() if "prefix" not in n])
     assert memory.peak - sum(g.nbytes for g in grads) < prefix_grad_bytes / 4, memory.peak
 

@@ -16,9 +16,11 @@ from test_blocked_attention import (
     saved_numels,
 )
 
+from verl_longstraw.memory import AllocationMeter
 from verl_longstraw.ops import attention as attention_ops
+from verl_longstraw.ops import fused_attention as fused_ops
 from verl_longstraw.ops.attention import prefix_causal_attention, prefix_causal_attention_reference
-from verl_longstraw.ops.blocked_attention import prefix_causal_attention_blocked
+from verl_longstraw.ops.blocked_attention import OWN_SEGMENT, prefix_causal_attention_blocked
 from verl_longstraw.ops.fused_attention import fused_dtype, prefix_causal_attention_fused
 
 # (B, Hq, Hk, T, P, D)
@@ -163,3 +165,155 @@ def test_dispatch_paths() -> None:
     assert path(1, 4, 2, 6, 9, 8, 4) == "sdpa_mask"
     assert path(1, 4, 2, 0, 9, 8, 8) == "sdpa_mask"
     assert path(1, 4, 2, 600, 3000, 8, 4) == "blocked"
+
+
+# (B, Hq, Hk, T, P, D, prefix keys per backward kernel call): the last block uneven in each
+BLOCKED = {
+    "gqa": (2, 4, 2, 5, 23, 16, 4),
+    "mqa": (2, 4, 1, 6, 50, 24, 7),
+    "shared": (3, 4, 2, 5, 23, 16, 5),
+    "detached": (2, 4, 2, 5, 23, 16, 6),
+}
+
+
+def force_key_rows(monkeypatch, rows: int, dtype: torch.dtype, key_batch: int, q_heads: int, kv_heads: int,
+                   dim: int) -> None:
+    """Make the prefix backward take ``rows`` keys per kernel call (``BACKWARD_BLOCK_BYTES`` of exactly that many)."""
+    per_key = fused_ops._key_row_bytes("cpu", dtype, q_heads, kv_heads, dim)
+    monkeypatch.setattr(fused_ops, "BACKWARD_BLOCK_BYTES", rows * key_batch * per_key)
+    assert fused_ops.backward_key_rows("cpu", dtype, key_batch, q_heads, kv_heads, dim) == rows
+
+
+@pytest.mark.parametrize("case", list(BLOCKED))
+def test_key_blocked_backward_matches_reference(case: str, monkeypatch) -> None:
+    """The prefix part's backward over several key blocks (uneven last block; GQA, MQA, a batch-1 prefix shared by
+    3 sequences, a detached prefix): output and every gradient equal the SDPA reference's (float64)."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim, rows = BLOCKED[case]
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float64)
+    key_batch = batch
+    if case == "shared":
+        inputs["k_prefix"], inputs["v_prefix"] = (inputs[n][:1].detach().requires_grad_() for n in NAMES[1:3])
+        key_batch = 1
+    force_key_rows(monkeypatch, rows, torch.float64, key_batch, q_heads, kv_heads, dim)
+    calls = []
+    kernel_backward = fused_ops._kernel_backward
+
+    def counted(grad_out, q, k, *rest):
+        calls.append(k.shape[-2])
+        return kernel_backward(grad_out, q, k, *rest)
+
+    monkeypatch.setattr(fused_ops, "_kernel_backward", counted)
+    prefix = {n: inputs[n] for n in NAMES[1:3]}
+    if case == "detached":
+        prefix = {n: inputs.pop(n).detach() for n in NAMES[1:3]}
+
+    def op(*xs):
+        args = dict(zip([n for n in NAMES if n in inputs], xs[:-1], strict=True)) | {
+            n: x for n, x in prefix.items() if n not in inputs}
+        return fused(*(args[n] for n in NAMES), xs[-1])
+
+    def reference(*xs):
+        args = dict(zip([n for n in NAMES if n in inputs], xs[:-1], strict=True)) | {
+            n: x for n, x in prefix.items() if n not in inputs}
+        k_prefix, v_prefix = (args[n].expand(batch, *args[n].shape[1:]) for n in NAMES[1:3])
+        return prefix_causal_attention_reference(args["q"], k_prefix, v_prefix, args["k_self"], args["v_self"],
+                                                 xs[-1])
+
+    out, grads = run_with_grads(op, inputs, dim**-0.5)
+    assert calls == [rows] * (prefix_len // rows) + [prefix_len % rows] + [seg_len]  # the blocks, then the own part
+    ref_out, ref_grads = run_with_grads(reference, inputs, dim**-0.5)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def backward_transient(inputs: dict[str, torch.Tensor], needs_prefix_grad: bool = True) -> int:
+    """Peak bytes the fused op's backward allocates (``AllocationMeter``) besides the gradients it returns."""
+    out = fused(*inputs.values(), 0.25)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    wanted = [x for n, x in inputs.items() if needs_prefix_grad or "prefix" not in n]
+    with AllocationMeter() as meter:
+        grads = torch.autograd.grad(out, wanted, weight)
+    return meter.peak - sum(g.untyped_storage().nbytes() for g in grads)
+
+
+def test_backward_transient_bytes_do_not_grow_with_the_prefix(monkeypatch) -> None:
+    """bf16 inputs (the CPU kernel computes in float32) over a long prefix in 128-key blocks: the backward's
+    transient bytes stay the same when the prefix doubles (before the key blocks they held float32 copies and
+    float32 gradient sums of the whole prefix: 4x its gradients' bytes more at the doubled prefix) and are at most
+    what ``fused_backward_transient_bytes`` (which the estimate counts) says, and at least 2/3 of it."""
+    batch, q_heads, kv_heads, seg_len, dim = 1, 4, 2, 8, 16
+    force_key_rows(monkeypatch, 128, torch.bfloat16, batch, q_heads, kv_heads, dim)
+    measured = {}
+    for prefix_len in (2048, 4096):
+        inputs = {n: x.detach().bfloat16().requires_grad_() for n, x in make_inputs(
+            batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float32).items()}
+        measured[prefix_len] = backward_transient(inputs)
+        bound = fused_ops.fused_backward_transient_bytes("cpu", torch.bfloat16, batch, q_heads, kv_heads, dim,
+                                                         seg_len, prefix_len, seg_len)
+        assert 2 / 3 * bound <= measured[prefix_len] <= bound, (prefix_len, measured, bound)
+    prefix_grad_bytes = 2 * batch * kv_heads * 2048 * dim * 2  # dK/dV of the shorter prefix, bf16
+    assert abs(measured[4096] - measured[2048]) < prefix_grad_bytes / 8, (measured, prefix_grad_bytes)
+
+
+def test_detached_prefix_allocates_no_prefix_gradient(monkeypatch) -> None:
+    """A prefix that needs no gradient gets no gradient buffer: the backward's whole allocation stays below the
+    size of the prefix's dK/dV (before, it allocated float32 sums for them)."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim = 1, 4, 2, 8, 4096, 16
+    force_key_rows(monkeypatch, 128, torch.float32, batch, q_heads, kv_heads, dim)
+    inputs = make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim, torch.float32)
+    for name in NAMES[1:3]:
+        inputs[name].requires_grad_(False)
+    prefix_grad_bytes = 2 * batch * kv_heads * prefix_len * dim * 4
+    assert backward_transient(inputs, needs_prefix_grad=False) < prefix_grad_bytes / 2
+
+
+def test_partial_backward_returns_float32_query_gradient() -> None:
+    """For bf16 inputs ``fused_partial_backward`` returns d(q) in float32 (the callers sum other shares before the one
+    rounding) and the K/V gradients in bf16, also with bf16 kernel arithmetic (what CUDA runs; the CPU kernel takes
+    bf16 too), where each kernel call's dq comes out rounded to bf16; None where a gradient is not needed."""
+    xs = [x.detach().bfloat16() for x in make_inputs(1, 4, 2, 5, 23, 16, 16, torch.float32).values()]
+    for dtype in (torch.float32, torch.bfloat16):
+        out, lse, extras = fused_ops.fused_partial_forward(*xs, 0.25, dtype)
+        grad_out = torch.ones_like(out, dtype=torch.bfloat16)
+        grads = fused_ops.fused_partial_backward(grad_out, *xs, out, lse, 0.25, dtype, OWN_SEGMENT, extras)
+        assert [g.dtype for g in grads] == [torch.float32] + [torch.bfloat16] * 4, dtype
+        detached = fused_ops.fused_partial_backward(grad_out, *xs, out, lse, 0.25, dtype, OWN_SEGMENT, extras,
+                                                    (True, False, False, True, True))
+        assert detached[1] is None and detached[2] is None
+        for grad, same in zip(detached, grads, strict=True):
+            assert grad is None or torch.equal(grad, same)
+
+
+def test_bf16_kernel_arithmetic_over_key_blocks_no_worse_than_sdpa(monkeypatch) -> None:
+    """The op with bf16 kernel arithmetic (CUDA's: each call's dq, dk, dv rounded to bf16) and the prefix backward
+    in 64-key blocks under CPU bf16 autocast: output and gradients within SDPA's own bf16 error
+    (``check_bf16_autocast_no_worse_than_sdpa``; the query gradient summed over the blocks in float32)."""
+    force_key_rows(monkeypatch, 64, torch.bfloat16, 1, 4, 2, 32)
+
+    def op(*args):
+        return prefix_causal_attention_fused(*args, torch.bfloat16)
+
+    check_bf16_autocast_no_worse_than_sdpa(op, backward_in_autocast=False)
+
+
+def test_flash_accepts_checks_head_dim_and_asks_under_grad_mode(monkeypatch) -> None:
+    """``_flash_accepts`` refuses head dims that are not a multiple of 8 without asking (the kernels reject them;
+    SDPA pads them, this module does not), and asks ``can_use_flash_attention`` on stand-ins that require gradients
+    under grad mode even when first called under no_grad (its answer is cached per arguments, and the training
+    limits apply only in grad mode)."""
+    asked = []
+
+    def can_use(params) -> bool:
+        asked.append((torch.is_grad_enabled(), params.query.requires_grad, params.key.requires_grad))
+        return True
+
+    monkeypatch.setattr(fused_ops, "can_use_flash_attention", can_use)
+    fused_ops._flash_accepts.cache_clear()
+    try:
+        with torch.no_grad():
+            assert not fused_ops._flash_accepts(torch.device("cpu"), torch.bfloat16, 4, 2, 12)
+            assert fused_ops._flash_accepts(torch.device("cpu"), torch.bfloat16, 4, 2, 16)
+    finally:
+        fused_ops._flash_accepts.cache_clear()
+    assert asked == [(True, True, True)] * 2  # causal and not, for dim 16 only

@@ -124,3 +124,17 @@ def test_cp_dsa_selection_matches_single_process(world):
         assert lp_err < 1e-5, (chunk, lp_err)
         assert float((cp["losses"] - reference["losses"]).abs().max()) < 1e-5, chunk
         assert grad_err < 1e-5, (chunk, grad_err)
+
+
+@pytest.mark.parametrize("index_topk, projects", [(64, False), (8, True)])
+def test_indexer_queries_projected_only_when_topk_selects(index_topk, projects):
+    """One process, glm_moe_dsa: where top-k keeps every key (prefix + segment <= index_topk) the indexer's query
+    projection never runs (nor the float32 copy of the prefix indexer keys behind it); below, it does."""
+    model = tiny_model("glm_moe_dsa", index_topk=index_topk)
+    indexers = [layer.self_attn.indexer for layer in model.model.layers if layer.self_attn.indexer is not None]
+    calls = []
+    for indexer in indexers:
+        indexer.wq_b.register_forward_hook(lambda *_: calls.append(1))
+    prompt, responses = make_group(VOCAB, 40, (8,))
+    group_log_probs(model, prompt, responses, chunk_size=16)
+    assert bool(calls) == projects, len(calls)

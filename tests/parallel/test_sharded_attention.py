@@ -12,8 +12,10 @@ import itertools
 import pytest
 import torch
 
+from verl_longstraw.memory import AllocationMeter
+from verl_longstraw.ops import fused_attention as fused_ops
 from verl_longstraw.ops.attention import ATTENTION_PATHS, prefix_causal_attention, prefix_causal_attention_reference
-from verl_longstraw.parallel.attention import sharded_prefix_attention
+from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes, sharded_prefix_attention
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.launch import run_ranks
 
@@ -164,10 +166,56 @@ def bfloat16_errors(rank: int, world: int) -> dict[int | None, tuple[float, floa
     return errors
 
 
+def bfloat16_query_grad_wire(rank: int, world: int) -> dict[int | None, tuple[str, str]]:
+    """Per partial path (block size None: fused, 3: blocked), for bf16 inputs: the dtype the backward's last collective
+    (the reduce-scatter of d(queries)) sends, and the dtype of the query gradient this rank gets."""
+    query_sizes, prefix_sizes = SIZES[world]
+    leaves, upstream, _ = global_inputs("gqa", query_sizes, prefix_sizes, False, seed=98)
+    mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
+    local = {n: x.bfloat16().requires_grad_() for n, x in local_slices(leaves, rank, query_sizes, prefix_sizes).items()}
+    wire = {}
+    for block_size in (None, 3):
+        out = sharded_prefix_attention(*attention_args(local, "gqa"), 0.3, torch.distributed.group.WORLD, query_sizes,
+                                       prefix_sizes, True, block_size=block_size)
+        with trace_collectives() as trace:
+            (out.float() * upstream[..., mine, :]).sum().backward()
+        op, _, _, dtype = trace[-1]
+        assert op == "reduce_scatter", trace
+        wire[block_size] = (dtype, str(local["q"].grad.dtype))
+    return wire
+
+
+def fused_backward_transient(rank: int, world: int) -> tuple[int, int]:
+    """(measured, counted): peak bytes the fused pass-Q backward allocates on this rank (``AllocationMeter``) besides
+    the local gradients it returns, bf16 inputs over 512 prefix rows per rank in 64-key blocks, and what
+    ``sharded_fused_backward_transient_bytes`` counts for it."""
+    query_sizes, prefix_sizes = (8,) * world, (512,) * world
+    q_heads, kv_heads, dim, _, _ = HEADS["gqa"]
+    leaves, upstream, _ = global_inputs("gqa", query_sizes, prefix_sizes, False, seed=97)
+    mine = slice(offsets(query_sizes)[rank], offsets(query_sizes)[rank + 1])
+    local = {n: x.bfloat16().requires_grad_() for n, x in local_slices(leaves, rank, query_sizes, prefix_sizes).items()}
+    out = sharded_prefix_attention(*attention_args(local, "gqa"), 0.3, torch.distributed.group.WORLD, query_sizes,
+                                   prefix_sizes, True)
+    weight = upstream[..., mine, :].bfloat16()
+    default = fused_ops.BACKWARD_BLOCK_BYTES
+    fused_ops.BACKWARD_BLOCK_BYTES = 64 * BATCH * fused_ops._key_row_bytes("cpu", torch.bfloat16, q_heads, kv_heads,
+                                                                         dim)
+    try:
+        with AllocationMeter() as meter:
+            grads = torch.autograd.grad(out, list(local.values()), weight)
+        counted = sharded_fused_backward_transient_bytes("cpu", torch.bfloat16, BATCH, q_heads, kv_heads, dim,
+                                                         query_sizes, rank, prefix_sizes[rank], True)
+    finally:
+        fused_ops.BACKWARD_BLOCK_BYTES = default
+    return meter.peak - sum(g.untyped_storage().nbytes() for g in grads), counted
+
+
 def all_cases(rank: int, world: int) -> dict:
     """Every case on this rank, the bf16 errors, and the error raised for sizes that disagree with the tensors."""
     results = {case: sharded_case(rank, world, *case, seed=i) for i, case in enumerate(CASES)}
     results["bfloat16"] = bfloat16_errors(rank, world)
+    results["bfloat16_query_grad_wire"] = bfloat16_query_grad_wire(rank, world)
+    results["fused_backward_transient"] = fused_backward_transient(rank, world)
     query_sizes, prefix_sizes = SIZES[world]
     q = torch.zeros(1, 2, query_sizes[rank], 4, dtype=torch.float64)
     k = torch.zeros(1, 1, prefix_sizes[rank] + 1, 4, dtype=torch.float64)
@@ -213,6 +261,24 @@ def test_bfloat16_within_standard_error(rank_results) -> None:
     for rank in range(world):
         for block_size, (sharded, standard) in results[rank]["bfloat16"].items():
             assert sharded <= 2 * standard, (rank, block_size, sharded, standard)
+
+
+def test_bfloat16_query_gradients_reduce_scattered_in_float32(rank_results) -> None:
+    """bf16 inputs: both paths sum the ranks' shares of d(queries) in float32 on the wire and round once after (the
+    gradient each rank gets is bf16, like its queries)."""
+    world, results = rank_results
+    for rank in range(world):
+        for block_size, wire in results[rank]["bfloat16_query_grad_wire"].items():
+            assert wire == ("float32", "torch.bfloat16"), (rank, block_size, wire)
+
+
+def test_fused_backward_transient_bytes_as_counted(rank_results) -> None:
+    """The fused pass-Q backward's peak transient bytes on every rank (bf16 inputs, prefix in 64-key blocks) are at
+    most what ``sharded_fused_backward_transient_bytes`` (the estimate's figure) counts, and at least 2/3 of it."""
+    world, results = rank_results
+    for rank in range(world):
+        measured, counted = results[rank]["fused_backward_transient"]
+        assert 2 / 3 * counted <= measured <= counted, (rank, measured, counted)
 
 
 def test_sizes_disagreeing_with_tensors_raise(rank_results) -> None:

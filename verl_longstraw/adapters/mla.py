@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.attention import prefix_causal_attention_reference
-from ..parallel.dsa import sharded_dsa_topk_mask
+from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
 from ..state import LayerState, StateSpec
 from .base import Adapter, SegmentContext, apply_rope, register
 
@@ -47,7 +47,11 @@ def _sparse_selection(
     """Bool key mask of each query's top-k keys by indexer score (DSA), causal, or None where top-k keeps every
     key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``), [B, S, P + S]
     for B > 1 sequences of ``x`` after one prefix (each selected alone, as one sequence would be); ``past_keys``
-    [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment."""
+    [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment.
+    Whether top-k keeps every key is asked first, before the query projection and the float32 copy of the prefix
+    keys (at P = 1M about 0.5 GB per layer call)."""
+    if keeps_every_key(past_keys.shape[1], x.shape[1], indexer.index_topk, ctx.sharding):
+        return None
     q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [B, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)

@@ -239,6 +239,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
             state_grad_on_host=self.longstraw.state_grad_on_host, replay_tokens=self.longstraw.replay_tokens,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
+            device_type=get_device_name(),
         )
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments: list[Fragment]):

@@ -15,12 +15,16 @@ dims, device, whether a key mask is given), so every rank takes the same one:
 - fused (``_ShardedFusedAttention``; value dim == key dim, no key mask, where ``fused_kernel_dtype`` takes the
   inputs): flash-attention kernel calls (``ops.fused_attention``). Backward: all-gather of every rank's
   d(output) and output, the kernels' backward over the local keys given the global output and L, reduce-scatter
-  of d(queries): five collectives per call.
+  of d(queries) in float32 (``compute_dtype``: the kernels' shares are summed in it on each rank, then over the
+  ranks, and rounded to q's dtype once): five collectives per call. Transient bytes of that backward:
+  ``sharded_fused_backward_transient_bytes``.
 - blocked (MLA's value dim != key dim, DSA's key mask, or a ``block_size`` given): the blocked partial attention
   (``ops.blocked_attention.partial_attention_blocked``, whose backward takes d(output) and d(logsumexp)) between
   differentiable collectives (``parallel.comm``), so the backward is autograd's: all-gather of d(output),
   reduce-scatter of d(logsumexp), the partial attention's backward, reduce-scatter of d(queries): six
-  collectives per call.
+  collectives per call. The d(queries) reduce-scatter sums in float32 too (``comm.all_gather``'s backward), but
+  each rank's share reaches it rounded once to q's dtype: autograd hands the gathered queries' gradient over in
+  their dtype.
 
 Key/value gradients of the local prefix rows and own keys stay on this rank (they are the local leaves'
 gradients). Every rank issues the same collectives whatever the data: no branch depends on anything but
@@ -28,7 +32,8 @@ replicated values. A query that sees no local key on a rank has logsumexp -inf t
 and zero gradient from that rank, never NaN.
 
 Bytes on the wire per call: forward N*Hq*D queries (input dtype), R*N*Hq logsumexps and
-R*N*Hq*Dv weighted outputs (float32, float64 for float64 inputs); backward about the same.
+R*N*Hq*Dv weighted outputs (float32, float64 for float64 inputs); backward about the same, with the d(queries)
+in float32.
 """
 
 from __future__ import annotations
@@ -39,7 +44,13 @@ import torch
 
 from ..ops.attention import ATTENTION_PATHS, blocked_path_name, key_block_size, lse_weight, prefix_causal_attention
 from ..ops.blocked_attention import OwnKeyRule, autocast_off, compute_dtype, partial_attention_blocked
-from ..ops.fused_attention import FUSED_PATHS, fused_kernel_dtype, fused_partial_backward, fused_partial_forward
+from ..ops.fused_attention import (
+    FUSED_PATHS,
+    fused_backward_transient_bytes,
+    fused_kernel_dtype,
+    fused_partial_backward,
+    fused_partial_forward,
+)
 from .comm import Group, all_gather, gather_padded, group_rank, group_size, reduce_scatter, reduce_scatter_padded
 
 
@@ -135,8 +146,8 @@ class _ShardedFusedAttention(torch.autograd.Function):
     all-gather every rank's d(output) and output (one collective, concatenated along the channels), the fused
     kernels' backward over the local keys given that global output and L (the ring-attention identity: exactly
     the local keys' dK/dV and their share of dQ, no logsumexp gradient needed), reduce-scatter d(queries) to their
-    owners. Five collectives per call on every rank whatever the data. Saved: the gathered queries, the local
-    keys/values, L [B, Hq, N] and this rank's output.
+    owners in float32 (cast to q's dtype after). Five collectives per call on every rank whatever the data. Saved:
+    the gathered queries, the local keys/values, L [B, Hq, N] and this rank's output.
     """
 
     @staticmethod
@@ -157,13 +168,65 @@ class _ShardedFusedAttention(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def backward(ctx, grad_mine):
-        queries, k_prefix, v_prefix, k_self, v_self, total, mine = ctx.saved_tensors
-        both = torch.cat([grad_mine.to(mine.dtype), mine], dim=-1)
-        grad_out, out = torch.cat(gather_padded(both, ctx.query_sizes, -2, ctx.group), dim=-2).chunk(2, dim=-1)
-        grad_queries, *grads = fused_partial_backward(
-            grad_out, queries, k_prefix, v_prefix, k_self, v_self, out, total, ctx.scale, ctx.dtype, ctx.own_keys,
-            ctx.extras,
-        )
+        grad_queries, *grads = _fused_local_backward(ctx, grad_mine)
         grad_q = reduce_scatter_padded(grad_queries.split(list(ctx.query_sizes), dim=-2), ctx.query_sizes, -2,
-                                       ctx.group)
-        return grad_q, *grads, None, None, None, None, None
+                                       ctx.group).to(grad_mine.dtype)
+        return grad_q if ctx.needs_input_grad[0] else None, *grads, None, None, None, None, None
+
+
+def _gathered_outputs(
+    grad_mine: torch.Tensor, mine: torch.Tensor, query_sizes: tuple[int, ...], group: Group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's d(output) and output [B, Hq, N, D] (one all-gather of both), each laid out [B, N, Hq, D] in
+    memory as the CUDA kernels read them (``ops.fused_attention._kernel_layout``): the ranks' rows are copied once,
+    from the gather's buffer (which dies at return) into [2, B, N, Hq, D]."""
+    both = torch.stack([grad_mine.to(mine.dtype), mine])  # [2, B, Hq, T_r, D]
+    pieces = gather_padded(both, query_sizes, -2, group)
+    grad_out, out = torch.cat([piece.transpose(-3, -2) for piece in pieces], dim=-3).transpose(-3, -2).unbind(0)
+    return grad_out, out
+
+
+def _fused_local_backward(ctx, grad_mine: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """``fused_partial_backward`` over this rank's keys given every rank's d(output) and output: d(queries of all
+    ranks) in float32 (always, so every rank issues the same reduce-scatter), the local K/V gradients (None where
+    not needed). The gathered d(output) and output die at return, before the reduce-scatter."""
+    queries, k_prefix, v_prefix, k_self, v_self, total, mine = ctx.saved_tensors
+    grad_out, out = _gathered_outputs(grad_mine, mine, ctx.query_sizes, ctx.group)
+    return fused_partial_backward(
+        grad_out, queries, k_prefix, v_prefix, k_self, v_self, out, total, ctx.scale, ctx.dtype, ctx.own_keys,
+        ctx.extras, (True, *ctx.needs_input_grad[1:5]),
+    )
+
+
+def sharded_fused_backward_transient_bytes(
+    device_type: str,
+    dtype: torch.dtype,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    dim: int,
+    query_sizes: Sequence[int],
+    rank: int,
+    prefix_rows: int,
+    causal_across_ranks: bool,
+) -> int:
+    """Peak bytes ``_ShardedFusedAttention.backward`` allocates on rank ``rank`` besides its local gradients, for
+    inputs of ``dtype`` ([batch, q_heads, T_r, dim] queries, ``kv_heads`` key heads, ``prefix_rows`` local prefix
+    rows; arguments as ``sharded_prefix_attention``), on a device of ``device_type``. The largest of its phases,
+    with N = sum(query_sizes), L = max(query_sizes) and a row = B x Hq x D entries:
+    - gathering d(output) and output: this rank's 2 x T_r rows stacked and padded for the wire, the gather's
+      buffer (2 x R x L rows) and the copy in the kernels' layout (2 x N rows), in ``dtype``;
+    - the kernels' backward: that copy plus ``ops.fused_attention.fused_backward_transient_bytes`` of the N
+      gathered queries over this rank's keys (its float32 d(queries) included);
+    - the reduce-scatter of d(queries): the float32 d(queries) (N rows), the send buffer (R x L rows) and the
+      received rows (L), in ``compute_dtype``.
+    """
+    world, longest, queries, own = len(query_sizes), max(query_sizes), sum(query_sizes), query_sizes[rank]
+    row = batch * q_heads * dim
+    gathered = 2 * queries * row * dtype.itemsize
+    gather = 2 * (2 * own + world * longest) * row * dtype.itemsize + gathered
+    own_keys = OwnKeyRule(start=sum(query_sizes[:rank]), later_rows_see_all=causal_across_ranks)
+    kernels = gathered + fused_backward_transient_bytes(device_type, dtype, batch, q_heads, kv_heads, dim, queries,
+                                                        prefix_rows, own, own_keys)
+    scatter = (queries + (world + 1) * longest) * row * compute_dtype(dtype).itemsize
+    return max(gather, kernels, scatter)

@@ -6,6 +6,8 @@ on each rank the gradient of that rank's use, and the true gradient is the sum o
 So the backward of an all-gather is a reduce-scatter (the sum of every rank's gradient of slot
 j goes to rank j), and the backward of a reduce-scatter is an all-gather. Parameters end up
 with per-rank partial gradients whose sum over the CP group is the single-process gradient.
+The all-gather's backward sums the copies' gradients in ``compute_dtype`` (float32 for half dtypes, on the
+wire too) and rounds the sum to the input's dtype once, rather than once per step of the reduction.
 
 Sizes that differ between ranks (``sizes[r]`` along ``dim``) are padded to the largest for the
 wire and cut again after it; every rank must pass the same ``sizes`` (they come from the
@@ -22,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from ..ops.blocked_attention import compute_dtype
 
 Group = dist.ProcessGroup | None
 _TRACES: list[list[tuple[str, int, int, str]]] = []
@@ -75,10 +79,18 @@ def gather_padded(x: torch.Tensor, sizes: Sequence[int], dim: int, group: Group)
     return [out[r, : sizes[r]].movedim(0, dim) for r in range(len(sizes))]
 
 
-def reduce_scatter_padded(parts: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, group: Group) -> torch.Tensor:
-    """Sum over ranks of ``parts[j]`` (``sizes[j]`` entries along ``dim``), delivered to rank j; no autograd."""
+def reduce_scatter_padded(
+    parts: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, group: Group, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Sum over ranks of ``parts[j]`` (``sizes[j]`` entries along ``dim``), delivered to rank j in ``dtype`` (None:
+    the parts'), which the wire and the sum use; no autograd. The parts are copied once, into the one buffer of
+    R x max(sizes) entries that is sent (zero padding)."""
     longest = max(sizes)
-    stacked = torch.cat([_pad(p, longest, dim).movedim(dim, 0) for p in parts]).contiguous()
+    first = parts[0].movedim(dim, 0)
+    stacked = first.new_empty((len(parts) * longest, *first.shape[1:]), dtype=dtype or first.dtype)
+    for r, part in enumerate(parts):
+        stacked[r * longest : r * longest + sizes[r]] = part.movedim(dim, 0)
+        stacked[r * longest + sizes[r] : (r + 1) * longest] = 0
     out = stacked.new_empty((longest, *stacked.shape[1:]))
     _record("reduce_scatter", group, stacked)
     dist.reduce_scatter_tensor(out, stacked, group=group)
@@ -98,7 +110,8 @@ class _AllGather(torch.autograd.Function):
             g if g is not None else like.new_zeros(_with_dim(like.shape, ctx.dim, n))
             for g, n in zip(grads, ctx.sizes, strict=True)
         ]
-        return reduce_scatter_padded(grads, ctx.sizes, ctx.dim, ctx.group), None, None, None
+        summed = reduce_scatter_padded(grads, ctx.sizes, ctx.dim, ctx.group, compute_dtype(like.dtype))
+        return summed.to(like.dtype), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -127,7 +140,8 @@ def all_gather(x: torch.Tensor, group: Group, sizes: Sequence[int] | None = None
     """Every rank's ``x`` (differentiable): a list of ``group_size`` tensors; rank r's is ``sizes[r]`` long along
     ``dim``.
 
-    ``sizes`` None means equal shapes on all ranks. Gradient: reduce-scatter of the copies' gradients to the owners.
+    ``sizes`` None means equal shapes on all ranks. Gradient: reduce-scatter of the copies' gradients to the owners,
+    summed in ``compute_dtype`` and then cast to ``x``'s dtype.
     """
     if group is None:
         return [x]

@@ -35,6 +35,17 @@ from .segment import SegmentSharding
 QUERY_BLOCK = 1024
 
 
+def keeps_every_key(prefix_rows: int, seg_len: int, topk: int, sharding: SegmentSharding | None) -> bool:
+    """Whether top-k keeps every key any query sees, so no mask is needed: the most keys a query sees is at most
+    ``topk``. One process (``sharding`` None): the ``prefix_rows`` + ``seg_len`` keys. Under CP: every rank's prefix
+    rows plus the own keys of all ranks' segments (consecutive: a capture chunk) or of the longest one (a replay
+    round); replicated sizes only, so every rank decides alike. Cheap: callers ask it before projecting queries."""
+    if sharding is None:
+        return prefix_rows + seg_len <= topk
+    own = sum(sharding.query_sizes) if sharding.consecutive else max(sharding.query_sizes)
+    return sum(sharding.prefix_sizes) + own <= topk
+
+
 def sharded_dsa_topk_mask(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -55,15 +66,11 @@ def sharded_dsa_topk_mask(
     visible ones only. ``sharding`` None: one process, ``dsa_topk_mask`` [T, P + T]. Index scores are in
     the ``ops.dsa_topk`` docstring.
     """
+    if keeps_every_key(k_prefix.shape[0], k_self.shape[0], topk, sharding):
+        return None
     if sharding is None:
-        if k_prefix.shape[0] + k_self.shape[0] <= topk:
-            return None
         return dsa_topk_mask(q, weights, torch.cat([k_prefix, k_self]), scale, topk, key_block)
     s = sharding
-    prefix_total = sum(s.prefix_sizes)
-    most_visible = prefix_total + (sum(s.query_sizes) if s.consecutive else max(s.query_sizes))
-    if most_visible <= topk:
-        return None
     key_pos, last_visible = _positions(s, k_prefix.shape[0], q.device)
     queries = torch.cat(all_gather(q, s.group, s.query_sizes))
     query_weights = torch.cat(all_gather(weights, s.group, s.query_sizes))
@@ -74,7 +81,7 @@ def sharded_dsa_topk_mask(
         rows = slice(start, start + query_block)
         best = top_sort_keys(queries[rows], query_weights[rows], keys, scale, topk, key_pos, last_visible[rows],
                              key_block)
-        union = torch.cat(all_gather(best, s.group, local_topk, dim=1), dim=1)  # >= topk wide: most_visible > topk
+        union = torch.cat(all_gather(best, s.group, local_topk, dim=1), dim=1)  # >= topk wide: not keeps_every_key
         threshold = union.topk(topk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
         local_index = torch.searchsorted(key_pos, sort_key_position(best))
         visible = key_pos <= last_visible[rows, None]
