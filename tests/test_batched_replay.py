@@ -2,10 +2,12 @@
 one-at-a-time replay (``replay_tokens=1``) for every family, chunked or not, with groups split unevenly; memory
 follows the budget, not G, and the prompt state is never copied per response.
 
-Float32 thresholds: log-probs 1e-6 (measured <= 4.8e-7, one ulp), exact and detached gradients relative L2 1e-6
-(measured <= 3e-7). Entropies 4e-6: float32 entropy itself rounds by up to 1.1e-6 against float64 on identical
-logits, and the two paths' logits (which differ by <= 2e-7) give float64 entropies within 4e-9 of each other;
-measured float32 differences <= 2.4e-6, as the one-at-a-time replay's own against the standard path (1.9e-6).
+Equal means within float32 rounding, on every CPU: the relative L2 difference of log-probs, entropies, losses and
+gradients (each over the whole group or model) is below BATCHING_ERROR_EPS float32 eps. Each path is a float32
+evaluation within 3.1 eps (relative L2) of the float64 one-at-a-time replay of the same inputs, so they differ by at
+most ~6 eps; measured differences are 0-2.0 eps with AVX-512 and AVX2 alike (BATCHING_ERROR_EPS: 4x headroom).
+Absolute bounds on the largest log-prob and entropy difference (1e-6, 4e-6: 1-3 ulps of one token's value) held
+on one CPU's summation order only: AVX2 and AVX-512 round the batched and single replays' matmuls differently.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ PROMPT_LEN = 70
 LENGTHS = (3, 4, 5, 6, 7, 8, 9, 5)
 BUDGETS = (18, 24)  # batches of sizes (3, 2, 2, 1) and (4, 2, 2)
 OVERRIDES = {"glm_moe_dsa": {"index_topk": 48}}  # sparse selection active: fewer keys than visible
+BATCHING_ERROR_EPS = 8  # see the module docstring
 
 
 def test_replay_batches_pack_in_order_within_budget():
@@ -44,20 +47,25 @@ def _replay(model, prompt, responses, chunk_size, budget, mode="exact"):
     return log_probs, entropies, losses, grads_of(model)
 
 
+def _outputs(log_probs, entropies, losses, grads) -> dict[str, torch.Tensor]:
+    """``_replay``'s outputs as flat tensors by name: log-probs and entropies of all responses, the losses [G] and
+    every parameter's gradient, concatenated (one relative L2 over the model, as ``relative_error``)."""
+    return {"log_probs": torch.cat(log_probs), "entropies": torch.cat(entropies), "losses": losses,
+            "grads": torch.cat([grad.flatten() for grad in grads.values()])}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_one_at_a_time(family):
     model = tiny_model(family, **OVERRIDES.get(family, {}))
     prompt, responses = make_group(VOCAB, PROMPT_LEN, LENGTHS, seed=1)
     modes = ("exact", "detached") if family == "qwen3_5" else ("exact",)
+    bound = BATCHING_ERROR_EPS * torch.finfo(torch.float32).eps
     for mode in modes:
         for chunk_size, budget in zip((None, 32), BUDGETS, strict=True):  # unchunked, and chunks splitting P
-            lp1, ent1, loss1, grads1 = _replay(model, prompt, responses, chunk_size, 1, mode)
-            lp, ent, loss, grads = _replay(model, prompt, responses, chunk_size, budget, mode)
-            case = (mode, chunk_size, budget)
-            assert max_abs_error(lp, lp1) < 1e-6, case
-            assert max_abs_error(ent, ent1) < 4e-6, case
-            assert (loss - loss1).abs().max() < 1e-6, case
-            assert relative_error(grads, grads1) < 1e-6, case
+            one = _outputs(*_replay(model, prompt, responses, chunk_size, 1, mode))
+            batched = _outputs(*_replay(model, prompt, responses, chunk_size, budget, mode))
+            errors = {name: relative_error({name: batched[name]}, {name: one[name]}) for name in one}
+            assert max(errors.values()) < bound, (mode, chunk_size, budget, errors)
 
 
 def test_replay_tokens_must_be_a_positive_int():

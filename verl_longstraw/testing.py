@@ -6,12 +6,13 @@ every family are in ``verl_longstraw.tiny``. Nothing here is used by training.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -122,6 +123,29 @@ def no_worse_than_standard(errors: dict[str, float], dtype: torch.dtype) -> bool
     return all(errors[k] <= max(STANDARD_ERROR_FACTOR * errors[f"standard_{k}"], floor) for k in keys)
 
 
+def _reference_chunk_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=False, **_):
+    """transformers' ``chunk_gated_delta_rule`` call over the token-by-token reference recurrence (float32
+    arithmetic, float64 for float64 inputs; shapes in ``ops.gated_delta_rule``)."""
+    out, state = gated_delta_rule_reference(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return out, (state if output_final_state else None)
+
+
+def _linear_attention_kernels(model) -> list[tuple[object, str]]:
+    """(owner, attribute) of each place ``model``'s standard path looks its Gated DeltaNet kernel up: the
+    ``torch_chunk_gated_delta_rule`` global of a layer's transformers module (transformers 5.19 binds fla's kernel
+    there at import whenever fla imports, TF32 dots included) and a layer's ``chunk_gated_delta_rule`` attribute
+    (earlier transformers set it in ``__init__``)."""
+    places: dict[int, tuple[object, str]] = {}
+    for module in model.modules():
+        python_module = sys.modules[type(module).__module__]
+        if hasattr(python_module, "torch_chunk_gated_delta_rule"):
+            places[id(python_module)] = (python_module, "torch_chunk_gated_delta_rule")
+        if hasattr(module, "chunk_gated_delta_rule"):
+            places[id(module)] = (module, "chunk_gated_delta_rule")
+    return list(places.values())
+
+
 def exact_linear_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the model's own (standard-path) Gated DeltaNet compute in the input dtype.
 
@@ -129,16 +153,24 @@ def exact_linear_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
     caps a float64 comparison at ~1e-7. The token-by-token reference recurrence (an
     algorithm independent of the chunked one replay uses) keeps float64 throughout.
     """
+    for owner, name in _linear_attention_kernels(model):
+        monkeypatch.setattr(owner, name, _reference_chunk_rule)
 
-    def recurrence(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, **_):
-        out, state = gated_delta_rule_reference(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
-        return out, (state if output_final_state else None)
 
-    for module in model.modules():
-        if hasattr(module, "chunk_gated_delta_rule"):
-            monkeypatch.setattr(module, "chunk_gated_delta_rule", recurrence)
-            monkeypatch.setattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", recurrence)
+@contextlib.contextmanager
+def reference_linear_attention(model) -> Iterator[None]:
+    """``exact_linear_attention`` inside a ``with`` block, restored on exit (for scripts: gpu_check's standard
+    path then never runs fla's TF32 kernel, whatever transformers picked). Every model of the same transformers
+    module is affected while inside; copies made inside keep the reference."""
+    places = _linear_attention_kernels(model)
+    found = [(owner, name, getattr(owner, name)) for owner, name in places]
+    for owner, name in places:
+        setattr(owner, name, _reference_chunk_rule)
+    try:
+        yield
+    finally:
+        for owner, name, kernel in found:
+            setattr(owner, name, kernel)
 
 
 def load_script(path: str | Path) -> ModuleType:
@@ -157,3 +189,25 @@ def run_benchmark(script: Path, args: Sequence[str], report: Path, timeout_s: fl
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout_s)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(report.read_text())
+
+
+def errors_against_exact(values: dict[str, torch.Tensor], standard: dict[str, torch.Tensor],
+                         exact: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative L2 errors against ``exact`` (the same computation in float64 on the same inputs) of the path under
+    test's ``values`` and of the standard path's (or reference's) ``standard``, in the tested dtype, by name:
+    ``{name: error, f"standard_{name}": error}``, the input of ``no_worse_than_standard``. Each name's tensors
+    have one shape (any dtype); a name whose exact tensor is all zeros or empty (a gradient through a softmax over
+    one key) is measured on the largest exact norm of the set, the computation's scale. Float32 paths of the same
+    arithmetic as their reference measured 0.4-1.3x its error (chunked scoring, the chunked Gated DeltaNet against
+    transformers'), AVX2 and AVX-512 alike."""
+    norms = {name: float(tensor.double().norm()) for name, tensor in exact.items()}
+    if not any(norms.values()):
+        raise ValueError("errors_against_exact: every exact tensor is zero; give at least one nonzero output")
+    errors = {}
+    for name, tensor in exact.items():
+        for key, path in ((name, values), (f"standard_{name}", standard)):
+            if path[name].shape != tensor.shape:
+                raise ValueError(f"errors_against_exact: {key} has shape {tuple(path[name].shape)}, exact "
+                                 f"{tuple(tensor.shape)}; pass the same output of each path")
+            errors[key] = float((path[name].double() - tensor.double()).norm()) / (norms[name] or max(norms.values()))
+    return errors
