@@ -162,10 +162,16 @@ def _chunked(
 
 @functools.cache
 def _fla_chunk_gated_delta_rule() -> Callable | None:
-    """flash-linear-attention's kernel, or None when it is not installed. Call only for CUDA inputs."""
+    """flash-linear-attention's kernel, or None when it is not installed or its import fails in any other way
+    (a triton or driver mismatch raises at import; logged once, then treated as not installed). Call only for
+    CUDA inputs."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
+        return None
+    except Exception as error:  # installed but broken: the plain torch rule still computes the same values
+        logger.warning("gated delta rule: flash-linear-attention is installed but failed to import (%s: %s); "
+                       "using the plain torch chunked rule", type(error).__name__, error)
         return None
     return chunk_gated_delta_rule
 
