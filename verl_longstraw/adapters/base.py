@@ -205,8 +205,11 @@ class Adapter(ABC):
 
     def context(self, h: torch.Tensor, start: int, sharding: SegmentSharding | None = None) -> SegmentContext:
         length = h.shape[1]
-        positions = torch.arange(start, start + length, device=h.device)[None]
-        cos, sin = self.backbone.rotary_emb(h, positions)
+        positions = torch.arange(start, start + length, device=h.device)[None]  # [1, length]
+        rotary = self.backbone.rotary_emb
+        if hasattr(rotary, "mrope_section"):  # multimodal rope (qwen3_5): text tokens at t = h = w = position;
+            positions = positions.expand(3, 1, length)  # [3, 1, length] (transformers < 5.19 takes no [1, length])
+        cos, sin = rotary(h, positions)
         return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0], sharding=sharding)
 
     def layer(self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool):
