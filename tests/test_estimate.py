@@ -88,7 +88,7 @@ def test_estimate_counts_indexer_keys_of_indexer_layers_only(chunk_size, mode):
 def test_budget_fails_early_with_advice():
     model = tiny_model("qwen3")
     prompt, responses = make_group(VOCAB, 512, (8, 8))
-    estimate = estimate_memory(model.config, 512, 2, 8, None, "exact", torch.float32)
+    estimate = estimate_memory(model.config, 512, 2, 8, None, "exact", torch.float32, device_type="cpu")
     with pytest.raises(MemoryError, match=r"estimated .* GiB > budget .* GiB.*chunk_size="):
         group_backward(model, prompt, responses, weighted_loss, memory_budget_bytes=estimate.total_bytes // 2)
     assert all(p.grad is None for p in model.parameters())
@@ -157,7 +157,7 @@ def _cp_budget(group, world: int) -> dict:
     model = tiny_model("qwen3")
     prompt, responses = make_group(VOCAB, CP_BUDGET_PROMPT_LEN, [8] * world)
     estimate = estimate_memory(model.config, CP_BUDGET_PROMPT_LEN, world, 8, CP_BUDGET_CHUNK, "exact",
-                               torch.float32, cp_size=world)
+                               torch.float32, cp_size=world, device_type="cpu")  # as group_backward's pre-flight
     budget = estimate.total_bytes - estimate.state_grad_bytes // 2
     message = None
     try:

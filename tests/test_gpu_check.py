@@ -232,7 +232,7 @@ def test_the_standard_path_does_not_run_the_kernel_transformers_picked(monkeypat
 
     monkeypatch.setattr(qwen3_5_modeling, "torch_chunk_gated_delta_rule", picked_kernel)
     prompt, responses = gpu_check.make_group(gpu_check.VOCAB, 24, (5, 3))
-    row = gpu_check.equivalence_case({}, "qwen3_5", "float32", torch.device("cpu"), prompt, responses, 8)
+    row = gpu_check.equivalence_case({}, "qwen3_5", "float32", torch.device("cpu"), [(prompt, responses)], 8)
     assert calls == [] and row["passed"], row
     assert qwen3_5_modeling.torch_chunk_gated_delta_rule is picked_kernel  # restored after the case
     tiny_model("qwen3_5")(prompt[None])
