@@ -32,15 +32,14 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-import verl_longstraw.api as api
-from verl_longstraw import capture_prompt, group_backward, group_log_probs
+import verl_longstraw.execute as execute
+from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.ops.fused_attention import fused_kernel_dtype
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.parallel.layout import PromptLayout, ReplayRounds
-from verl_longstraw.replay import GroupStats
+from verl_longstraw.plan import star_plan
 from verl_longstraw.testing import make_group
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
@@ -67,8 +66,8 @@ arithmetic dtype (4 for float32 and bfloat16 models)):
   none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of the conv tails R*min(K-1, L)*C*b
   (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes, the
   tails' in float32 (R*min(K-1, L)*C*f).
-- results: per replay round, all-gather of the log-probs R*L*4 (log-prob replay) and of
-  (loss, validity) R*2*4 (training replay).
+- results: per replay round, all-gather of the log-probs R*L*4 (both replays: ``group_backward`` returns them
+  too) and of (loss, validity) R*2*4 (training replay).
 The last layer of a capture or recompute chunk only produces state (no attention output, no
 pass-Q). Not modelled: GLM-MoE-DSA's distributed top-k (needed only for P > index_topk).
 """
@@ -83,19 +82,20 @@ def grpo_loss(i: int, log_probs: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def prompt_backward_trace() -> Iterator[list[tuple]]:
-    """The collectives of ``group_backward``'s last phase (the prompt backward), recorded apart from its replay."""
-    original, records = api.backward_prompt, []
+    """The collectives of ``group_backward``'s last phase (the prompt backward: its walk's recompute steps, which
+    follow every replay), recorded apart from its replay."""
+    original, records = execute._Walk._recompute, []
 
-    def traced(*args):
+    def traced(self, step):
         with comm.trace_collectives() as inner:
-            original(*args)
+            original(self, step)
         records.extend(inner)
 
-    api.backward_prompt = traced
+    execute._Walk._recompute = traced
     try:
         yield records
     finally:
-        api.backward_prompt = original
+        execute._Walk._recompute = original
 
 
 def measure_group(model, prompt_len: int, group_size: int, response_len: int, chunk_size: int, group) -> dict:
@@ -192,18 +192,20 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
                 if backward:  # the tails' gradients are summed in float32
                     counter["reduce_scatter"] += maps + tails * f // b
 
-    layout = PromptLayout(prompt_len - 1, chunk_size, world)
-    for k in range(len(layout.chunks)):
-        segment(out["capture"], layout.slice_sizes(k), True, False)
-        segment(out["prompt_backward"], layout.slice_sizes(k), True, True)
-    rounds = ReplayRounds(len(response_lens), world)
-    for j in range(rounds.num_rounds):
-        indices = [rounds.response(j, r) for r in range(world)]
-        sizes = [response_lens[i] if i is not None else 1 for i in indices]
-        segment(out["replay_log_probs"], sizes, False, False)
-        out["replay_log_probs"]["all_gather"] += world * max(sizes) * 4
-        segment(out["replay_train"], sizes, False, True)
-        out["replay_train"]["all_gather"] += world * 2 * 4
+    plan = star_plan(prompt_len, response_lens, chunk_size, world=world, rank=0)  # the ranks' tokens per step
+    for step in plan.steps("exact"):
+        if step.phase == "release":
+            continue
+        sizes = list(step.split.query_sizes)  # every rank's tokens (a CP dummy: one)
+        if step.phase == "capture":
+            segment(out["capture"], sizes, True, False)
+        elif step.phase == "recompute":
+            segment(out["prompt_backward"], sizes, True, True)
+        else:  # a replay round
+            segment(out["replay_log_probs"], sizes, False, False)
+            out["replay_log_probs"]["all_gather"] += world * max(sizes) * 4
+            segment(out["replay_train"], sizes, False, True)
+            out["replay_train"]["all_gather"] += world * max(sizes) * 4 + world * 2 * 4
     return {phase: dict(counts) for phase, counts in out.items()}
 
 

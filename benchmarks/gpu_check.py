@@ -243,7 +243,7 @@ def errors_in(reference, model, prompt, responses, chunk_size: int, run: Callabl
             return [full_log_probs(model, prompt, r)[0] for r in responses]
 
     def replay():
-        log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size)
+        log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
         group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
         return log_probs
 

@@ -18,7 +18,7 @@ import torch
 import verl_longstraw.ops.attention as attention_ops
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.replay import replay_batches
+from verl_longstraw.plan import replay_batches
 from verl_longstraw.testing import grads_of, make_group, max_abs_error, relative_error, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
@@ -37,14 +37,12 @@ def test_replay_batches_pack_in_order_within_budget():
 
 
 def _replay(model, prompt, responses, chunk_size, budget, mode="exact"):
-    log_probs, entropies = group_log_probs(
-        model, prompt, responses, chunk_size=chunk_size, return_entropy=True, replay_tokens=budget
-    )
+    values = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True,
+                             replay_tokens=budget)
     model.zero_grad(set_to_none=True)
-    losses, lps, _ = group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, replay_tokens=budget,
-                                    return_log_probs=True)
-    assert max_abs_error(lps, log_probs) == 0
-    return log_probs, entropies, losses, grads_of(model)
+    trained = group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, replay_tokens=budget)
+    assert max_abs_error(trained.log_probs, values.log_probs) == 0
+    return values.log_probs, values.entropies, trained.losses, grads_of(model)
 
 
 def _outputs(log_probs, entropies, losses, grads) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ def test_memory_flat_in_group_size(family, prompt_grad, chunk_size):
 def test_dense_variants_match_standard(family):
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, 150, (12, 5))
-    lp = group_log_probs(model, prompt, responses, chunk_size=64)
+    lp = group_log_probs(model, prompt, responses, chunk_size=64).log_probs
     with torch.no_grad():
         errors = [(a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses, strict=True)]
     assert max(errors) < 1e-5
@@ -72,10 +72,12 @@ def test_mla_state_is_latent_only(family):
 
 def test_hybrid_state_is_fixed_size_for_linear_layers():
     model = tiny_model("qwen3_next")
-    sizes = [
-        [t.numel() for t in capture_prompt(model, torch.randint(0, VOCAB, (n,)), for_backward=False).layers[0]]
-        for n in (10, 90)
-    ]
+    sizes = []
+    for n in (10, 90):
+        store = capture_prompt(model, torch.randint(0, VOCAB, (n,)), for_backward=False).store
+        sizes.append([t.numel() for kind, storage in zip(store.kinds[0], store.storage[0], strict=True)
+                      for t in kind.tensors(storage)])
+    assert sizes[0]
     assert sizes[0] == sizes[1]  # layer 0 is linear attention: conv + recurrent state, independent of length
 
 
@@ -100,7 +102,7 @@ def test_gradient_checkpointing_keeps_prompt_state():
     for reentrant in (False, True):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         assert model.training
-        assert (group_log_probs(model, prompt, responses[:1])[0] - expected_lp).abs().max() < 1e-5
+        assert (group_log_probs(model, prompt, responses[:1]).log_probs[0] - expected_lp).abs().max() < 1e-5
         model.zero_grad(set_to_none=True)
         group_backward(model, prompt, responses, weighted_loss, chunk_size=50)
         assert relative_error(grads_of(model), expected) < 1e-5
@@ -115,7 +117,7 @@ def test_sparse_dsa_selection_matches_full_forward():
     """
     model = tiny_model("glm_moe_dsa", index_topk=24, index_n_heads=16)
     prompt, responses = make_group(VOCAB, 60, (9,))
-    lp = group_log_probs(model, prompt, responses, chunk_size=25)[0]
+    lp = group_log_probs(model, prompt, responses, chunk_size=25).log_probs[0]
     with torch.no_grad():
         expected = full_log_probs(model, prompt, responses[0])[0]
     assert (lp - expected).abs().max() < 1e-5
@@ -183,13 +185,13 @@ def test_shared_capture_equals_fresh_capture(family, prompt_grad, chunk_size):
     two passes) with the results of two fresh captures."""
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, 130, (11, 1, 30))
-    expected_lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size)
+    expected_lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size)
     expected = grads_of(model)
 
     state = capture_prompt(model, prompt, chunk_size, for_backward=prompt_grad == "exact")
-    lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size, state=state)
+    lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size, state=state).log_probs
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size, state=state)
     assert all(torch.equal(a, b) for a, b in zip(lp, expected_lp, strict=True))

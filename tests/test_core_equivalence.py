@@ -40,7 +40,8 @@ def reference_grads(model, group):
 @pytest.mark.parametrize("chunk_size", CHUNKINGS)
 def test_log_probs_match_full_forward(model, group, chunk_size):
     prompt, responses = group
-    log_probs, entropies = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True)
+    result = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True)
+    log_probs, entropies = result.log_probs, result.entropies
     with torch.no_grad():
         for response, lp, ent in zip(responses, log_probs, entropies, strict=True):
             ref_lp, ref_ent = full_log_probs(model, prompt, response)
@@ -51,7 +52,7 @@ def test_log_probs_match_full_forward(model, group, chunk_size):
 
 def test_temperature(model, group):
     prompt, responses = group
-    lp = group_log_probs(model, prompt, responses[:1], temperature=0.7)[0]
+    lp = group_log_probs(model, prompt, responses[:1], temperature=0.7).log_probs[0]
     with torch.no_grad():
         ref = full_log_probs(model, prompt, responses[0], temperature=0.7)[0]
     assert (lp - ref).abs().max() < 1e-5
@@ -61,7 +62,7 @@ def test_temperature(model, group):
 def test_exact_gradient_matches_standard(model, group, reference_grads, chunk_size):
     prompt, responses = group
     model.zero_grad(set_to_none=True)
-    losses = group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
+    losses = group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size).losses
     assert losses.shape == (len(responses),) and not losses.requires_grad
     assert relative_error(grads_of(model), reference_grads) < 1e-5
 

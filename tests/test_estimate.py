@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 import transformers
 
-import verl_longstraw.api as api
+import verl_longstraw.execute as execute
 from verl_longstraw import GroupStats, capture_prompt, group_backward
 from verl_longstraw.estimate import check_budget, estimate_memory
 from verl_longstraw.memory import AllocationMeter, parameter_meter
 from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
 from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.parallel.layout import PromptLayout
+from verl_longstraw.plan import star_plan
+from verl_longstraw.state import PathState
 from verl_longstraw.testing import make_group, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_config, tiny_model
 
@@ -56,13 +57,16 @@ def test_estimate_matches_meter(family, record_property):
 
 
 def _state_grad_bytes(model, prompt, chunk_size) -> int:
-    """Bytes of the float32 (or wider) gradient sums of the captured state's differentiable tensors."""
+    """Bytes of the float32 (or wider) gradient sums of the captured state's differentiable tensors (the state
+    after the prompt's last chunk)."""
     state = capture_prompt(model, prompt, chunk_size, for_backward=True)
+    store = state.store
+    current = store.read(max(state.captured), store.capacity)
     return sum(
         t.numel() * torch.promote_types(t.dtype, torch.float32).itemsize
-        for specs, layer in zip(state.specs, state.current(), strict=True)
-        for spec, t in zip(specs, layer, strict=True)
-        if spec.differentiable
+        for kinds, layer in zip(store.kinds, current, strict=True)
+        for kind, t in zip(kinds, layer, strict=True)
+        if kind.differentiable
     )
 
 
@@ -117,19 +121,29 @@ CP_BUDGET_PROMPT_LEN, CP_BUDGET_CHUNK = 257, 64
 
 @contextmanager
 def state_leaf_grad_meter() -> Iterator[list[int]]:
-    """Bytes of the gradients each replayed response's backward leaves on the state leaves (one entry per response),
-    read where ``group_backward`` adds them into the float32 sums."""
-    original, sizes = api.accumulate_state_grads, []
+    """Bytes of the gradients each replayed response's backward leaves on the state leaves (one entry per replay
+    step: one response per rank under CP), read where the walk adds them into the float32 sums
+    (``PathState.add_grads`` inside ``execute._Walk._replay``; a recompute's are not counted)."""
+    replay, add_grads, sizes, replaying = execute._Walk._replay, PathState.add_grads, [], []
 
-    def metered(leaves, grads, on_host=False):
-        sizes.append(sum(t.grad.untyped_storage().nbytes() for layer in leaves for t in layer if t.grad is not None))
-        return original(leaves, grads, on_host)
+    def metered_replay(self, step):
+        replaying.append(step)
+        try:
+            return replay(self, step)
+        finally:
+            replaying.pop()
 
-    api.accumulate_state_grads = metered
+    def metered_add_grads(self, leaves, parent, row_end):
+        if replaying and leaves is not None:
+            sizes.append(sum(t.grad.untyped_storage().nbytes() for layer in leaves for t in layer
+                             if t.grad is not None))
+        return add_grads(self, leaves, parent, row_end)
+
+    execute._Walk._replay, PathState.add_grads = metered_replay, metered_add_grads
     try:
         yield sizes
     finally:
-        api.accumulate_state_grads = original
+        execute._Walk._replay, PathState.add_grads = replay, add_grads
 
 
 def _cp_measure(rank: int, world: int) -> dict:
@@ -289,20 +303,20 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
     for device_type in ("cuda", "cpu"):
         e = estimate_memory(config, prompt_len, 8, response_len, chunk, "exact", torch.bfloat16, cp_size=cp_size,
                             device_type=device_type)
-        layout = PromptLayout(prompt_len - 1, chunk, cp_size)
-        last = len(layout.chunks) - 1
+        plan = star_plan(prompt_len, [response_len] * 8, chunk, world=cp_size)
+        last = plan.captured[-1]
         if cp_size == 1:
             replay = fused_backward_transient_bytes(device_type, torch.bfloat16, e.replay_batch, heads, kv_heads,
                                                     dim, response_len, prompt_len - 1, response_len,
                                                     shared_prefix=e.replay_batch > 1)
             prompt = fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim, chunk,
-                                                    layout.rows_before(last, 0), chunk)
+                                                    plan.segments[last].rank_rows[0], chunk)
         else:
             replay = sharded_fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim,
-                                                            [response_len] * cp_size, 0, layout.local_length(0), False)
+                                                            [response_len] * cp_size, 0, plan.capacity, False)
             prompt = sharded_fused_backward_transient_bytes(device_type, torch.bfloat16, 1, heads, kv_heads, dim,
-                                                            layout.slice_sizes(last), 0, layout.rows_before(last, 0),
-                                                            True)
+                                                            plan.rank_tokens(last), 0,
+                                                            plan.segments[last].rank_rows[0], True)
         assert (e.replay_backward_transient_bytes, e.prompt_backward_transient_bytes) == (replay, prompt)
         assert e.transient_bytes == max(e.score_block_bytes, replay, prompt)
         assert e.total_bytes == (e.state_bytes + e.device_state_grad_bytes + e.saved_peak_bytes

@@ -10,15 +10,24 @@ import torch
 
 from verl_longstraw import capture_prompt
 from verl_longstraw.memory import SavedTensorMeter
+from verl_longstraw.state import Fixed
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 PROMPT_LEN, CHUNK = 200, 48
 
 
 def _fixed_tensors(state) -> list[torch.Tensor]:
-    """The fixed-size tensors the state holds: the current ones and those kept at chunk boundaries."""
-    kept = [t for fixed in state.boundaries if fixed is not None for layer in fixed for t in layer]
-    return [t for layer in state.fixed() for t in layer] + kept
+    """The fixed-size tensors the state holds: every ``Fixed`` kind's end value of each chunk (the last chunk's
+    is the current one, the others are kept at chunk boundaries)."""
+    store = state.store
+    return [t for kinds, storages in zip(store.kinds, store.storage, strict=True)
+            for kind, storage in zip(kinds, storages, strict=True) if isinstance(kind, Fixed)
+            for t in kind.tensors(storage)]
+
+
+def _fixed_kinds(state) -> int:
+    """Fixed-size tensors per chunk end, over all layers."""
+    return sum(isinstance(kind, Fixed) for kinds in state.store.kinds for kind in kinds)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
@@ -29,7 +38,7 @@ def test_prompt_state_holds_only_its_own_bytes(family):
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     state = capture_prompt(model, prompt, CHUNK, for_backward=True)
     fixed = _fixed_tensors(state)
-    assert len(fixed) == 5 * sum(len(layer) for layer in state.fixed())
+    assert len(fixed) == 5 * _fixed_kinds(state) > 0
     for t in fixed:
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), tuple(t.shape)
     growing = [t for t in state.tensors() if all(t is not f for f in fixed)]
@@ -42,10 +51,11 @@ def test_prompt_state_counts_the_storage_behind_a_view():
     model = tiny_model("qwen3_next")
     state = capture_prompt(model, torch.randint(0, VOCAB, (PROMPT_LEN,)), for_backward=False)
     before = state.nbytes()
-    conv = state.layers[0][0]  # [1, conv_dim, kernel - 1]
+    storage = state.store.storage  # linear-attention layers 0 and 2: tensor 0 is the conv state, by chunk
+    (chunk, conv), = storage[0][0].items()  # [1, conv_dim, kernel - 1] after the one chunk
     base = torch.zeros(*conv.shape[:-1], 1000, dtype=conv.dtype)
-    state.layers[0][0] = base[..., : conv.shape[-1]]
-    state.layers[2][0] = base[..., -conv.shape[-1] :]
+    storage[0][0][chunk] = base[..., : conv.shape[-1]]
+    storage[2][0][chunk] = base[..., -conv.shape[-1] :]
     leaked = 2 * conv.numel() * conv.element_size()
     assert state.nbytes() == before - leaked + base.numel() * base.element_size()
 

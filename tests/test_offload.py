@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_longstraw import group_backward, replay
+from verl_longstraw import group_backward
+from verl_longstraw.state import kinds
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 
@@ -27,8 +28,8 @@ def test_state_grad_on_host_equals_device(family, monkeypatch):
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     placements: list[bool] = []
-    original = replay._grad_sum_buffer
-    monkeypatch.setattr(replay, "_grad_sum_buffer",
+    original = kinds.grad_zeros
+    monkeypatch.setattr(kinds, "grad_zeros",
                         lambda shape, like, on_host: placements.append(on_host) or original(shape, like, on_host))
     on_device = grads(False)
     device_placements, placements[:] = list(placements), []

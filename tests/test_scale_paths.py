@@ -11,7 +11,7 @@ import torch
 import verl_longstraw.ops.attention as attention_ops
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.adapters.mla import MultiHeadLatentAttentionAdapter
-from verl_longstraw.replay import accumulate_state_grads
+from verl_longstraw.state import PathState, Rows
 from verl_longstraw.testing import (
     full_log_probs,
     grads_of,
@@ -35,7 +35,7 @@ BF16_SANITY_BOUND = 0.2
 
 def _run(model, prompt, responses, chunk_size):
     """(log-probs [G] of [T_i], exact gradients by parameter name)."""
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size)
+    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
     model.zero_grad(set_to_none=True)
     group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
     return log_probs, grads_of(model)
@@ -128,10 +128,11 @@ def test_bfloat16_matches_float32_standard(family, record_property):
 
 def test_state_gradients_accumulate_in_float32():
     """Summing many small bf16 state gradients: a bf16 sum stalls at 1.0 (spacing 2**-7), the fp32 sum does not."""
-    leaf = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
-    sums = None
+    leaf = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)  # 4 rows of one Rows kind
+    store = PathState([(Rows((1, 2, 1, 8)),)], capacity=4)
     for step in range(101):
         (leaf * (1.0 if step == 0 else 1e-3)).sum().backward()
-        sums = accumulate_state_grads([(leaf,)], sums)
-    assert leaf.grad is None and sums[0][0].dtype == torch.float32
-    torch.testing.assert_close(sums[0][0], torch.full_like(sums[0][0], 1.1), rtol=1e-3, atol=0)
+        store.add_grads([(leaf,)], parent=0, row_end=4)
+    sums = store.grads_for(0, 0, 4)[0][0]
+    assert leaf.grad is None and sums.dtype == torch.float32
+    torch.testing.assert_close(sums, torch.full_like(sums, 1.1), rtol=1e-3, atol=0)

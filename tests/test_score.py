@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-from verl_longstraw import group_backward, replay
-from verl_longstraw.replay import score, score_reference
+import verl_longstraw.score as scoring
+from verl_longstraw import execute, group_backward
+from verl_longstraw.score import score, score_reference
 from verl_longstraw.testing import errors_against_exact, make_group, no_worse_than_standard
 from verl_longstraw.tiny import tiny_model
 
@@ -142,7 +143,7 @@ def test_replay_saves_no_logits(monkeypatch) -> None:
     reference) saves float32 tensors of T x vocab (log-softmax, its exp, ...)."""
     model = tiny_model("qwen3", vocab_size=VOCAB)
     prompt, responses = make_group(VOCAB, 48, [64])
-    monkeypatch.setattr(replay, "SCORE_CHUNK_BYTES", 16 * VOCAB * 4)
+    monkeypatch.setattr(scoring, "SCORE_CHUNK_BYTES", 16 * VOCAB * 4)
 
     def run() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -150,6 +151,6 @@ def test_replay_saves_no_logits(monkeypatch) -> None:
                            with_entropy=True)
 
     assert [n for n, _ in saved_tensors(run) if n > 16 * VOCAB] == []
-    monkeypatch.setattr(replay, "score", reference)
+    monkeypatch.setattr(execute, "score", reference)
     big = sorted(n for n, dtype in saved_tensors(run) if n > 16 * VOCAB and dtype == torch.float32)
     assert len(big) >= 2 and set(big) == {64 * VOCAB}  # 8 MiB each

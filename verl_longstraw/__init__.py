@@ -1,10 +1,13 @@
-"""verl-longstraw: capture a GRPO group's shared prompt once, replay its responses, exact gradients.
+"""verl-longstraw: capture what a micro-batch's rows share once, replay the rest, exact gradients.
 
 The core (this package minus ``integration``) depends on torch and transformers only.
 """
 
-from .api import capture_prompt, group_backward, group_log_probs
+from .api import capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
 from .errors import UnsupportedModelError
-from .replay import GroupStats
+from .execute import GroupResult, GroupStats
 
-__all__ = ["GroupStats", "UnsupportedModelError", "capture_prompt", "group_backward", "group_log_probs"]
+__all__ = [
+    "GroupResult", "GroupStats", "UnsupportedModelError", "capture_prompt", "group_backward", "group_log_probs",
+    "tree_backward", "tree_log_probs",
+]

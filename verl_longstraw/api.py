@@ -1,15 +1,17 @@
-"""Public entry points: log-probs and gradients of one GRPO group (one prompt, G responses).
+"""Public entry points: log-probs and gradients of one GRPO group (``group_*``: one prompt, G responses) and of
+any set of rows sharing prefixes (``tree_*``: a prefix tree), each returning a ``GroupResult``.
 
-Every entry point takes ``cp_group``: a process group whose ranks all call it with the same
-arguments and run the group together (context parallel, ``verl_longstraw.parallel``): each rank
-holds about 1/R of the prompt state, replays one response per round, and ends with the
-log-probs and losses of every response. Parameter gradients are per-rank partial sums whose
-sum over the group is the single-process gradient. With ``cp_group=None`` (one process) the
-behaviour and results are the single-process ones.
+Every entry point validates its arguments, builds one segment plan (``plan``), and walks it (``execute``).
+The ``group_*`` entry points take ``cp_group``: a process group whose ranks all call with the same arguments
+and run the group together (context parallel, ``verl_longstraw.parallel``): each rank holds about 1/R of the
+prompt state, replays one response per round, and ends with the log-probs and losses of every response.
+Parameter gradients are per-rank partial sums whose sum over the group is the single-process gradient. With
+``cp_group=None`` (one process) the behaviour and results are the single-process ones.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -19,26 +21,12 @@ from torch import nn
 from .adapters import Adapter, adapter_for
 from .errors import UnsupportedModelError
 from .estimate import check_budget, estimate_memory
+from .execute import GroupResult, GroupStats, LossFn, Sequences, capture, walk
 from .parallel import comm
-from .replay import (
-    REPLAY_TOKENS,
-    GroupStats,
-    PromptChunk,
-    Scoring,
-    accumulate_state_grads,
-    as_leaves,
-    backward_prompt,
-    capture,
-    gather_round,
-    prompt_chunks,
-    response_rounds,
-    run_segment,
-)
-from .state import PromptState
-from .timing import Stopwatch
+from .plan import REPLAY_TOKENS, Plan, star_plan, tree_plan
+from .state import PathState
 
 PROMPT_GRAD_MODES = ("exact", "detached")
-LossFn = Callable[..., torch.Tensor]
 
 
 def _check_ids(name: str, ids: object, vocab_size: int) -> None:
@@ -97,13 +85,12 @@ def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
     return len(ids), int((ids.long() * weights).sum())
 
 
-def _agree(cp_group: comm.Group, validate: Callable[[], Any], prompt_ids, responses, **settings) -> Any:
-    """``validate()``'s result once every rank of ``cp_group`` validated the same group.
+def _agree(cp_group: comm.Group, validate: Callable[[], Any], ids: dict[str, list[torch.Tensor]], **settings) -> Any:
+    """``validate()``'s result once every rank of ``cp_group`` validated the same arguments.
 
-    Each rank validates its own arguments, then the ranks exchange (error, fingerprint of the
-    prompt, the responses and ``settings``) in one small collective, so bad input or ranks
-    that disagree raise the same ValueError on every rank instead of leaving some ranks
-    waiting in a collective.
+    Each rank validates its own arguments, then the ranks exchange (error, fingerprints of the token ids ``ids``
+    (argument name -> tensors) and ``settings``) in one small collective, so bad input or ranks that disagree
+    raise the same ValueError on every rank instead of leaving some ranks waiting in a collective.
     """
     if cp_group is None:
         return validate()
@@ -114,7 +101,7 @@ def _agree(cp_group: comm.Group, validate: Callable[[], Any], prompt_ids, respon
         error = exc
     mine = None
     if error is None:
-        mine = {"prompt_ids": _fingerprint(prompt_ids), "responses": [_fingerprint(r) for r in responses], **settings}
+        mine = {**{name: [_fingerprint(t) for t in tensors] for name, tensors in ids.items()}, **settings}
     gathered: list[Any] = [None] * comm.group_size(cp_group)
     message = None if error is None else f"{type(error).__name__}: {error}"
     dist.all_gather_object(gathered, (message, mine), group=cp_group)
@@ -128,47 +115,72 @@ def _agree(cp_group: comm.Group, validate: Callable[[], Any], prompt_ids, respon
         if any(v != values[0] for v in values):
             raise ValueError(
                 f"the ranks of the context-parallel group passed different {field} ({field} per rank: "
-                f"{values if field != 'responses' else 'see fingerprints'}); every rank of cp_group must call with "
-                "the same prompt_ids, responses and settings"
+                f"{values if field not in ids else 'see fingerprints'}); every rank of cp_group must call with "
+                f"the same {', '.join(ids)} and settings"
             )
     return result
 
 
-def _plan(
-    prompt_ids: torch.Tensor, chunk_size: int | None, cp_group: comm.Group
-) -> tuple[list[PromptChunk], tuple[int, ...]]:
-    """This rank's capture chunks and every rank's state rows (ValueError for a prompt too short for the group)."""
-    return prompt_chunks(len(prompt_ids) - 1, chunk_size, cp_group)
+@dataclass
+class PromptState:
+    """A prompt captured once (``capture_prompt``) to serve ``group_log_probs`` and then ``group_backward``: the
+    path store holding its chain of segments, which segments those are, and what it was captured from and for."""
 
+    store: PathState
+    captured: frozenset[int]
+    prompt_ids: torch.Tensor
+    chunk_size: int | None
+    for_backward: bool
 
-def _prompt_state(
-    adapter: Adapter,
-    prompt_ids: torch.Tensor,
-    chunk_size: int | None,
-    keep_boundaries: bool,
-    stats: GroupStats,
-    state: PromptState | None,
-    chunks: list[PromptChunk],
-    rows: int,
-) -> PromptState:
-    """``state`` after checking it was captured from ``prompt_ids`` with this chunking, else a fresh
-    capture of ``prompt_ids[:-1]`` bound to ``prompt_ids``."""
-    if state is not None:
-        if state.length != rows:
-            raise ValueError(f"state holds {state.length} rows; this rank needs {rows} for these prompt_ids "
-                             "and cp_group (pass the state capture_prompt returned for them)")
-        state.check_prompt(prompt_ids)
-        if state.chunk_size != chunk_size:
-            raise ValueError(f"state was captured with chunk_size={state.chunk_size}, not {chunk_size}")
-        if keep_boundaries and state.boundaries is None:
+    def nbytes(self) -> int:
+        """Bytes of the storages the state keeps alive (``PathState.nbytes``)."""
+        return self.store.nbytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.store.tensors()
+
+    def check(self, prompt_ids: torch.Tensor, chunk_size: int | None, capacity: int, for_backward: bool) -> None:
+        """Raise ValueError naming ``state`` unless it was captured from ``prompt_ids`` with this chunking for
+        this rank (``capacity`` rows), and for the backward when ``for_backward``."""
+        if self.store.capacity != capacity:
+            raise ValueError(f"state holds {self.store.capacity} rows; this rank needs {capacity} for these "
+                             "prompt_ids and cp_group (pass the state capture_prompt returned for them)")
+        if not torch.equal(self.prompt_ids, prompt_ids.to(self.prompt_ids)):
+            raise ValueError("state was captured from other prompt_ids; pass the one capture_prompt returned for these")
+        if self.chunk_size != chunk_size:
+            raise ValueError(f"state was captured with chunk_size={self.chunk_size}, not {chunk_size}")
+        if for_backward and not self.for_backward:
             raise ValueError("prompt_grad='exact' needs a state captured with for_backward=True")
-        return state
-    watch = Stopwatch(prompt_ids.device)
-    state = capture(adapter, prompt_ids[:-1], chunks, rows, chunk_size, keep_boundaries)
-    state.bind(prompt_ids)
-    stats.capture_s += watch.seconds()
-    stats.prompt_state_bytes = max(stats.prompt_state_bytes, state.nbytes())
-    return state
+
+
+def _star(
+    prompt_ids: torch.Tensor, responses: list[torch.Tensor], chunk_size: int | None, cp_group: comm.Group,
+    replay_tokens: int = REPLAY_TOKENS,
+) -> Plan:
+    """The group's plan on this rank (ValueError for a prompt too short for the group)."""
+    return star_plan(len(prompt_ids), [len(r) for r in responses], chunk_size, replay_tokens,
+                     comm.group_size(cp_group), comm.group_rank(cp_group))
+
+
+def _star_rows(prompt_ids: torch.Tensor, responses: list[torch.Tensor], device: torch.device) -> Sequences:
+    """The star's rows (prompt ++ response i) on ``device``, sharing one prompt tensor."""
+    prompt_ids = prompt_ids.to(device)
+    return Sequences([(prompt_ids, r.to(device)) for r in responses] or [(prompt_ids,)])
+
+
+def _walk_star(
+    model: nn.Module, adapter: Adapter, plan: Plan, prompt_ids: torch.Tensor, responses: list[torch.Tensor],
+    mode: str, state: PromptState | None, chunk_size: int | None, stats: GroupStats, cp_group: comm.Group,
+    state_grad_on_host: bool = False, **kwargs: Any,
+) -> GroupResult:
+    device = _device(model)
+    captured: frozenset[int] = frozenset()
+    store = None
+    if state is not None:
+        state.check(prompt_ids, chunk_size, plan.capacity, mode == "exact")
+        store, captured = state.store, state.captured
+    return walk(adapter, plan, _star_rows(prompt_ids, responses, device), mode, group=cp_group, state=store,
+                captured=captured, state_grad_on_host=state_grad_on_host, stats=stats, **kwargs)
 
 
 def capture_prompt(
@@ -182,20 +194,21 @@ def capture_prompt(
     """Capture a prompt's state once (no autograd), to pass as ``state=`` to ``group_log_probs`` and
     then ``group_backward`` so a training step computes the prompt's forward once, not twice.
 
-    ``for_backward`` keeps the chunk-boundary states the exact backward restarts from. The
-    state holds per layer what ``adapter.state_specs`` says (e.g. K/V [1, Hk, P-1, D]).
+    ``for_backward`` keeps every chunk's end state the exact backward restarts from. The state holds per layer
+    what ``adapter.state_kinds`` says (e.g. K/V [1, Hk, P-1, D]).
     """
 
     def validate():
         adapter = _validate_prompt(model, prompt_ids, chunk_size)
         adapter.check_length(len(prompt_ids))
-        return adapter, _plan(prompt_ids, chunk_size, cp_group)
+        # the chain of any group with this prompt (one stand-in response: below it every chunk has a child)
+        return adapter, _star(prompt_ids, [prompt_ids[:1]], chunk_size, cp_group)
 
-    adapter, (chunks, rows) = _agree(cp_group, validate, prompt_ids, [], chunk_size=chunk_size)
+    adapter, plan = _agree(cp_group, validate, {"prompt_ids": [prompt_ids]}, chunk_size=chunk_size)
     stats = stats if stats is not None else GroupStats()
-    with torch.no_grad():
-        return _prompt_state(adapter, prompt_ids.to(_device(model)), chunk_size, for_backward, stats, None,
-                             chunks, rows[comm.group_rank(cp_group)])
+    mode = "exact" if for_backward else "log_probs"
+    store, captured = capture(adapter, plan, _star_rows(prompt_ids, [], _device(model)), mode, cp_group, stats)
+    return PromptState(store, captured, prompt_ids.detach().clone(), chunk_size, for_backward)
 
 
 def group_log_probs(
@@ -209,42 +222,30 @@ def group_log_probs(
     state: PromptState | None = None,
     cp_group: comm.Group = None,
     replay_tokens: int = REPLAY_TOKENS,
-):
+) -> GroupResult:
     """Per-token log-probs of each response given the prompt, computing the prompt once.
 
-    Returns a list of float32 tensors [T_i] (equal to a full forward over prompt ++ response),
-    and with ``return_entropy`` also the entropies [T_i] of the same positions. ``state``
-    (from ``capture_prompt``) skips the capture. Responses replay in batches of k, in order, with
-    k x (longest T_i of the batch) <= ``replay_tokens`` (one forward each, the prompt state broadcast;
-    ``replay.replay_batches``); under ``cp_group`` one response per rank per round whatever ``replay_tokens``.
+    ``result.log_probs[i]`` [T_i] float32 (equal to a full forward over prompt ++ response), with
+    ``return_entropy`` also ``result.entropies[i]`` [T_i]. ``state`` (from ``capture_prompt``) skips the capture.
+    Responses replay in batches of k, in order, with k x (longest T_i of the batch) <= ``replay_tokens`` (one
+    forward each, the prompt state broadcast; ``plan.replay_batches``); under ``cp_group`` one response per rank
+    per round whatever ``replay_tokens``.
     """
+
     def validate():
         _check_replay_tokens(replay_tokens)
-        return validate_group(model, prompt_ids, responses, chunk_size), _plan(prompt_ids, chunk_size, cp_group)
+        _check_temperature(temperature)
+        adapter = validate_group(model, prompt_ids, responses, chunk_size)
+        return adapter, _star(prompt_ids, responses, chunk_size, cp_group, replay_tokens)
 
-    adapter, (chunks, rows) = _agree(
-        cp_group, validate, prompt_ids, responses,
+    adapter, plan = _agree(
+        cp_group, validate, {"prompt_ids": [prompt_ids], "responses": responses},
         chunk_size=chunk_size, temperature=temperature, entropy=return_entropy,
     )
-    device = _device(model)
-    prompt_ids = prompt_ids.to(device)
     stats = stats if stats is not None else GroupStats()
-    log_probs, entropies = {}, {}
     with torch.no_grad():
-        rank_rows = rows[comm.group_rank(cp_group)]
-        past = _prompt_state(adapter, prompt_ids, chunk_size, False, stats, state, chunks, rank_rows).current()
-        watch = Stopwatch(device)
-        steps = response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens)
-        for step in steps:
-            scoring = Scoring(step.targets, temperature, return_entropy)
-            lp, ent = run_segment(adapter, step.inputs, len(prompt_ids) - 1, past, scoring, step.sharding)
-            log_probs.update(gather_round(step.split(lp), step, cp_group))
-            if return_entropy:
-                entropies.update(gather_round(step.split(ent), step, cp_group))
-            stats.response_tokens += step.real_tokens
-        stats.replay_s += watch.seconds()
-    log_probs = [log_probs[i] for i in range(len(responses))]
-    return (log_probs, [entropies[i] for i in range(len(responses))]) if return_entropy else log_probs
+        return _walk_star(model, adapter, plan, prompt_ids, responses, "log_probs", state, chunk_size, stats,
+                          cp_group, temperature=temperature, with_entropy=return_entropy)
 
 
 def group_backward(
@@ -261,9 +262,8 @@ def group_backward(
     state: PromptState | None = None,
     cp_group: comm.Group = None,
     state_grad_on_host: bool = False,
-    return_log_probs: bool = False,
     replay_tokens: int = REPLAY_TOKENS,
-):
+) -> GroupResult:
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)``.
 
     ``loss_fn(i, logps_i)`` (or ``loss_fn(i, logps_i, entropy_i)`` with ``with_entropy``)
@@ -275,9 +275,9 @@ def group_backward(
     ``state`` (from ``capture_prompt`` with the same ``chunk_size``) skips the capture.
     ``state_grad_on_host`` keeps the float32 state-gradient sums (exact mode) in host memory
     (pinned where CUDA is available), moved per layer tensor, for prompts whose state gradient
-    does not fit beside the model. Returns the losses [G], detached; with ``return_log_probs`` also the
-    log-probs [T_i] and entropies [T_i] (None without ``with_entropy``) of every response, detached (float32, as
-    ``group_log_probs`` returns them), so one replay serves both the loss and its inputs.
+    does not fit beside the model. Returns the losses [G] (detached), the log-probs [T_i] and, with
+    ``with_entropy``, the entropies [T_i] of every response (detached, float32, as ``group_log_probs`` returns
+    them), so one replay serves both the loss and its inputs.
 
     Responses replay in batches of k, in order, with k x (longest T_i of the batch) <= ``replay_tokens``: one
     forward of the k right-padded responses against the broadcast prompt state and one backward of the sum of
@@ -287,8 +287,8 @@ def group_backward(
 
     def validate():
         _check_replay_tokens(replay_tokens)
-        if prompt_grad not in PROMPT_GRAD_MODES:
-            raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
+        _check_prompt_grad(prompt_grad)
+        _check_temperature(temperature)
         adapter = validate_group(model, prompt_ids, responses, chunk_size)
         if memory_budget_bytes is not None:
             dtype = next(model.parameters()).dtype
@@ -299,70 +299,142 @@ def group_backward(
                                        state_grad_on_host=state_grad_on_host, replay_tokens=replay_tokens,
                                        device_type=_device(model).type)
             check_budget(estimate, memory_budget_bytes)
-        return adapter, _plan(prompt_ids, chunk_size, cp_group)
+        return adapter, _star(prompt_ids, responses, chunk_size, cp_group, replay_tokens)
 
-    adapter, (chunks, rows) = _agree(
-        cp_group, validate, prompt_ids, responses,
+    adapter, plan = _agree(
+        cp_group, validate, {"prompt_ids": [prompt_ids], "responses": responses},
         chunk_size=chunk_size, temperature=temperature, entropy=with_entropy, prompt_grad=prompt_grad,
         memory_budget_bytes=memory_budget_bytes, state_grad_on_host=state_grad_on_host,
     )
-    device = _device(model)
-    prompt_ids = prompt_ids.to(device)
-    exact = prompt_grad == "exact"
     stats = stats if stats is not None else GroupStats()
-
-    state = _prompt_state(adapter, prompt_ids, chunk_size, exact, stats, state, chunks, rows[comm.group_rank(cp_group)])
-    leaves = as_leaves(state, requires_grad=exact)
-
-    watch = Stopwatch(device)
-    losses, state_grads, log_probs, entropies = {}, None, {}, {}
-    for step in response_rounds(prompt_ids, [r.to(device) for r in responses], chunks, rows, cp_group, replay_tokens):
-        scoring = Scoring(step.targets, temperature, with_entropy)
-        lp, ent = run_segment(adapter, step.inputs, len(prompt_ids) - 1, leaves, scoring, step.sharding)
-        lps = step.split(lp)
-        ents = step.split(ent) if with_entropy else [None] * len(lps)
-        batch_losses = [_response_loss(loss_fn, i, lp_i, ent_i, with_entropy)
-                        for i, lp_i, ent_i in zip(step.batch, lps, ents, strict=True)]
-        # losses and validity of every rank's responses before any rank starts a backward (with its collectives)
-        payloads = [
-            torch.stack([loss.detach().to(lp.dtype), lp.new_ones(())])
-            if isinstance(loss, torch.Tensor) and loss.dim() == 0 else lp.new_zeros(2)
-            for loss in batch_losses
-        ]
-        shared = gather_round(payloads, step, cp_group, sizes=(2,) * len(step.target_sizes))
-        for i, (value, ok) in shared.items():
-            if not ok:
-                raise ValueError(f"loss_fn must return a scalar tensor; it did not for response {i}")
-            losses[i] = value
-        if return_log_probs:
-            log_probs.update(gather_round(lps, step, cp_group))
-            if with_entropy:
-                entropies.update(gather_round(ents, step, cp_group))
-        torch.autograd.backward(batch_losses)  # one backward for the batch
-        if exact and leaves is not None:
-            state_grads = accumulate_state_grads(leaves, state_grads, state_grad_on_host)
-        stats.response_tokens += step.real_tokens
-    stats.replay_s += watch.seconds()
-
-    if exact and leaves is not None:
-        held = sum(t.numel() * t.element_size() for layer in state_grads or [] for t in layer if t is not None)
-        if state_grad_on_host:
-            stats.state_grad_host_bytes = max(stats.state_grad_host_bytes, held)
-        else:
-            stats.state_grad_device_bytes = max(stats.state_grad_device_bytes, held)
-        watch = Stopwatch(device)
-        backward_prompt(adapter, prompt_ids[:-1], chunks, state, state_grads, state_grad_on_host)
-        stats.prompt_backward_s += watch.seconds()
-    losses = torch.stack([losses[i] for i in range(len(responses))])
-    if not return_log_probs:
-        return losses
-    order = range(len(responses))
-    return losses, [log_probs[i] for i in order], [entropies[i] for i in order] if with_entropy else None
+    return _walk_star(model, adapter, plan, prompt_ids, responses, prompt_grad, state, chunk_size, stats, cp_group,
+                      state_grad_on_host, temperature=temperature, with_entropy=with_entropy, loss_fn=loss_fn)
 
 
-def _response_loss(loss_fn: LossFn, index: int | None, lp: torch.Tensor, ent: torch.Tensor | None, with_entropy: bool):
-    """``loss_fn``'s loss for response ``index``; for a CP dummy (None) a zero loss over the same graph,
-    so its backward makes the same calls as a real one."""
-    if index is None:
-        return lp.sum() * 0 + (ent.sum() * 0 if with_entropy else 0)
-    return loss_fn(index, lp, ent) if with_entropy else loss_fn(index, lp)
+def _check_prompt_grad(prompt_grad: object) -> None:
+    if prompt_grad not in PROMPT_GRAD_MODES:
+        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
+
+
+def _check_temperature(temperature: object) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(
+            f"temperature must be one positive number for all rows, got {temperature!r}; rows sampled at different "
+            "temperatures belong to different calls (one tree per temperature)"
+        )
+
+
+def _check_knob(name: str, value: object, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def validate_tree(
+    model: nn.Module, sequences: list[torch.Tensor], score_starts: list[int], temperature: float,
+    chunk_size: int | None, response_chunk_size: int | None, min_shared_tokens: int, replay_tokens: int,
+) -> Adapter:
+    """Check a tree's rows and knobs and return the model's adapter. Raises ValueError naming the argument."""
+    adapter = adapter_for(model)
+    _check_temperature(temperature)
+    _check_knob("chunk_size", chunk_size, allow_none=True)
+    _check_knob("response_chunk_size", response_chunk_size, allow_none=True)
+    _check_knob("min_shared_tokens", min_shared_tokens, allow_none=False)
+    _check_replay_tokens(replay_tokens)
+    if not isinstance(sequences, (list, tuple)) or not sequences:
+        raise ValueError("sequences must be a non-empty list of 1-D LongTensors")
+    if not isinstance(score_starts, (list, tuple)) or len(score_starts) != len(sequences):
+        raise ValueError(f"score_starts must be a list with one int per sequence ({len(sequences)}), "
+                         f"got {score_starts!r}")
+    max_len = getattr(adapter.config, "max_position_embeddings", None)
+    for i, (ids, start) in enumerate(zip(sequences, score_starts, strict=True)):
+        _check_ids(f"sequences[{i}]", ids, adapter.config.vocab_size)
+        if not isinstance(start, int) or isinstance(start, bool) or not 1 <= start < len(ids):
+            raise ValueError(f"score_starts[{i}]={start!r} must be an int in [1, {len(ids)}) (the first scored "
+                             f"token of sequences[{i}], which has {len(ids)} tokens)")
+        if max_len is not None and len(ids) > max_len:
+            raise ValueError(f"sequences[{i}] has {len(ids)} tokens, more than max_position_embeddings={max_len}; "
+                             "truncate it")
+        adapter.check_length(len(ids))
+    return adapter
+
+
+def _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size, min_shared_tokens,
+          replay_tokens, cp_group, **settings) -> tuple[Adapter, Plan]:
+    """The validated tree's adapter and this rank's plan; under ``cp_group`` once every rank validated the same
+    rows and settings (a ValueError on every rank otherwise)."""
+
+    def validate():
+        adapter = validate_tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
+                                min_shared_tokens, replay_tokens)
+        plan = tree_plan(sequences, score_starts, chunk_size, response_chunk_size, min_shared_tokens, replay_tokens,
+                         comm.group_size(cp_group), comm.group_rank(cp_group))
+        return adapter, plan
+
+    return _agree(cp_group, validate, {"sequences": sequences}, score_starts=score_starts, chunk_size=chunk_size,
+                  response_chunk_size=response_chunk_size, min_shared_tokens=min_shared_tokens,
+                  replay_tokens=replay_tokens, temperature=temperature, **settings)
+
+
+def tree_log_probs(
+    model: nn.Module,
+    sequences: list[torch.Tensor],
+    score_starts: list[int],
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    response_chunk_size: int | None = None,
+    min_shared_tokens: int = 1,
+    return_entropy: bool = False,
+    stats: GroupStats | None = None,
+    replay_tokens: int = REPLAY_TOKENS,
+    cp_group: comm.Group = None,
+) -> GroupResult:
+    """Log-probs of rows that share prefixes, each shared token run once.
+
+    Row i is ``sequences[i]`` [L_i]; ``result.log_probs[i]`` [L_i - score_starts[i]] holds log p(x_t | x_<t) for
+    t >= ``score_starts[i]`` (float32, equal to a full forward over the row), with ``return_entropy`` also the
+    entropies. Rows sharing a prefix of >= ``min_shared_tokens`` tokens share its segments
+    (``plan.tree_plan``: ``chunk_size``, ``response_chunk_size``, ``replay_tokens`` as there). Under ``cp_group``
+    every rank passes the same rows: each captured segment is split over the ranks, leaves replay one per rank
+    per round, and every rank ends with every row's values.
+    """
+    adapter, plan = _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
+                          min_shared_tokens, replay_tokens, cp_group, entropy=return_entropy)
+    device = _device(model)
+    rows = Sequences([(s.to(device),) for s in sequences])
+    with torch.no_grad():
+        return walk(adapter, plan, rows, "log_probs", temperature, return_entropy, group=cp_group, stats=stats)
+
+
+def tree_backward(
+    model: nn.Module,
+    sequences: list[torch.Tensor],
+    score_starts: list[int],
+    loss_fn: LossFn,
+    prompt_grad: str = "exact",
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    response_chunk_size: int | None = None,
+    min_shared_tokens: int = 1,
+    with_entropy: bool = False,
+    stats: GroupStats | None = None,
+    state_grad_on_host: bool = False,
+    replay_tokens: int = REPLAY_TOKENS,
+    cp_group: comm.Group = None,
+) -> GroupResult:
+    """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)`` over rows that
+    share prefixes (rows and knobs as ``tree_log_probs``; ``loss_fn`` and ``prompt_grad`` as ``group_backward``).
+
+    Each segment of the plan is captured once and recomputed once (exact mode; leaves replayed once with
+    autograd), each shared token scored once; the device holds one root-to-leaf path's state and one segment's
+    graph at a time. Returns every row's loss, log-probs and (``with_entropy``) entropies, detached.
+    """
+    _check_prompt_grad(prompt_grad)
+    adapter, plan = _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
+                          min_shared_tokens, replay_tokens, cp_group, entropy=with_entropy, prompt_grad=prompt_grad,
+                          state_grad_on_host=state_grad_on_host)
+    device = _device(model)
+    rows = Sequences([(s.to(device),) for s in sequences])
+    return walk(adapter, plan, rows, prompt_grad, temperature, with_entropy, loss_fn, group=cp_group,
+                state_grad_on_host=state_grad_on_host, stats=stats)

@@ -2,10 +2,10 @@
 
 ``estimate_memory`` predicts, in bytes, for rank ``rank`` of a context-parallel (CP) group of
 ``cp_size`` ranks (1: one process), whose rows come from the layout the core uses
-(``parallel.layout.PromptLayout``: every chunk split over the R ranks):
+(``plan.star_plan``: every chunk split over the R ranks):
 - ``state_bytes``: the rank's prompt state, what ``PromptState.nbytes`` measures (exact: it sums
-  the adapter's own ``state_specs``, read from a model built on the meta device, so estimate and
-  state share one layout): growing tensors for the rank's rows (about (P - 1) / R), the replicated
+  the adapter's own ``state_kinds``, read from a model built on the meta device, so estimate and
+  state share one layout): ``Rows`` tensors for the rank's rows (about (P - 1) / R), the replicated
   fixed-size tensors and, in exact mode, their copies kept at every chunk boundary
   (``boundary_bytes``);
 - ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held in
@@ -46,12 +46,13 @@ import torch
 import transformers
 
 from .adapters import adapter_for
+from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.fused_attention import fused_backward_transient_bytes
 from .parallel.attention import sharded_fused_backward_transient_bytes
-from .parallel.layout import PromptLayout
-from .replay import REPLAY_TOKENS, SCORE_CHUNK_BYTES
-from .state import StateSpec
+from .plan import REPLAY_TOKENS, star_plan
+from .score import SCORE_CHUNK_BYTES
+from .state import StateKind
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
@@ -73,13 +74,13 @@ GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
 GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
 MLA_MIXER = 2.0
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
-# ``replay.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
+# ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
 # (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
 SCORE_TRANSIENT_CHUNKS = 3
 
 
 def score_transient_bytes(vocab_size: int, rows: int) -> int:
-    """Bytes ``replay.score`` holds at once while it scores ``rows`` rows: ``SCORE_TRANSIENT_CHUNKS`` float32
+    """Bytes ``score.score`` holds at once while it scores ``rows`` rows: ``SCORE_TRANSIENT_CHUNKS`` float32
     [chunk rows, vocab] tensors, a chunk being ``SCORE_CHUNK_BYTES`` of float32 logits (fewer rows if fewer)."""
     chunk_rows = max(1, SCORE_CHUNK_BYTES // (4 * vocab_size))
     return SCORE_TRANSIENT_CHUNKS * 4 * vocab_size * min(rows, chunk_rows)
@@ -102,7 +103,7 @@ class MemoryEstimate:
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
     score_block_bytes: int  # the larger of CP pass-Q's float32 scores of one key block and one row chunk of the
-    # replay's scoring (``replay.score``: logits, float32 log-softmax and exp)
+    # replay's scoring (``score.score``: logits, float32 log-softmax and exp)
     replay_backward_transient_bytes: int  # one fused attention layer's backward while a replay backpropagates
     prompt_backward_transient_bytes: int  # the same while a recomputed prompt chunk backpropagates (exact mode)
     prompt_len: int  # the settings it was computed for
@@ -138,25 +139,31 @@ class MemoryEstimate:
         return self.state_grad_bytes - self.device_state_grad_bytes
 
 
-def state_specs(config) -> list[tuple[StateSpec, ...]]:
-    """Per-layer prompt-state layout of ``config``'s model: its adapter's ``state_specs``, read from
+def state_specs(config) -> list[tuple[StateKind, ...]]:
+    """Per-layer prompt-state kinds of ``config``'s model: its adapter's ``state_kinds``, read from
     the model built on the meta device (no weights, no memory)."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
     return adapter_for(model.eval()).specs()
 
 
-def _spec_bytes(spec: StateSpec, length: int, dtype: torch.dtype) -> int:
-    """Bytes of one state tensor for ``length`` prompt tokens in a model of ``dtype``."""
-    return spec.numel(length) * spec.dtype(dtype).itemsize
+_LAYER_TYPES = {"full_attention": "attention", "linear_attention": "linear"}  # config.layer_types -> mixer
 
 
 def _layer_kinds(config) -> list[str]:
-    """'attention', 'linear' (Gated DeltaNet) or 'mla' per layer."""
+    """'attention', 'linear' (Gated DeltaNet) or 'mla' per layer; UnsupportedModelError naming a layer type of
+    ``config.layer_types`` the estimate does not account for (never counted as another kind)."""
     if getattr(config, "kv_lora_rank", None):
         return ["mla"] * config.num_hidden_layers
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return ["linear" if t == "linear_attention" else "attention" for t in types]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(
+            f"{getattr(config, 'model_type', 'model')}: the memory estimate does not account for layer type(s) "
+            f"{unknown} of config.layer_types (known: {sorted(_LAYER_TYPES)}); set longstraw.preflight=false to run "
+            "without the pre-flight check"
+        )
+    return [_LAYER_TYPES[t] for t in types]
 
 
 def _mlp_width(config, idx: int) -> int:
@@ -174,7 +181,7 @@ def _mlp_width(config, idx: int) -> int:
 class _Shapes:
     """Per-layer state and per-token widths of a config, on one rank of ``cp_size``."""
 
-    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateSpec, ...]], cp_size: int,
+    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateKind, ...]], cp_size: int,
                  device_type: str):
         self.config = config
         self.kinds = _layer_kinds(config)
@@ -185,13 +192,11 @@ class _Shapes:
         c = config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        # bytes per prompt token of the state attention reads (and saves): growing, differentiable
-        self.attended_row_bytes = [
-            sum(_spec_bytes(s, 1, dtype) for s in layer if s.growing and s.differentiable) for layer in specs
-        ]
+        # bytes per prompt token of the state attention reads (and saves): rows, differentiable
+        self.attended_row_bytes = [sum(s.row_nbytes(dtype) for s in layer if s.differentiable) for layer in specs]
 
     def token_bytes(self, idx: int, kind: str) -> float:
-        """Activation bytes one token saves in layer ``idx`` (not growing with the prefix)."""
+        """Activation bytes one token saves in layer ``idx`` (independent of the prefix)."""
         c = self.config
         if kind == "attention":
             gate = 2 if getattr(c, "model_type", "").startswith(("qwen3_next", "qwen3_5")) else 1
@@ -418,7 +423,7 @@ def estimate_memory(
     chunk_size: int | None = None,
     prompt_grad: str = "exact",
     dtype: torch.dtype = torch.bfloat16,
-    specs: list[tuple[StateSpec, ...]] | None = None,
+    specs: list[tuple[StateKind, ...]] | None = None,
     cp_size: int = 1,
     state_grad_on_host: bool = False,
     rank: int = 0,
@@ -433,7 +438,7 @@ def estimate_memory(
     replay's saved-for-backward peak and logits are those of k responses of ``response_len``; k = 1 gives the
     one-response figures); under CP one response per rank per round. Beyond k, G only scales time.
 
-    The rank's rows come from the layout the core uses (``parallel.layout.PromptLayout``). Rank 0
+    The rank's rows come from the plan the core runs (``plan.star_plan``). Rank 0
     holds the most rows (ranks differ by at most one row per chunk), so its figures bound every
     rank's: every rank computes them from the same arguments and reaches the same verdict.
     ``state_grad_on_host``: the state-gradient sums live in host memory (``group_backward``'s flag).
@@ -469,7 +474,7 @@ def _estimate(
     chunk_size: int | None,
     prompt_grad: str,
     dtype: torch.dtype,
-    specs: list[tuple[StateSpec, ...]] | None,
+    specs: list[tuple[StateKind, ...]] | None,
     cp_size: int,
     state_grad_on_host: bool,
     rank: int,
@@ -483,20 +488,20 @@ def _estimate(
     specs = specs if specs is not None else state_specs(config)
     shapes = _Shapes(config, dtype, specs, cp_size, device_type)
     exact = prompt_grad == "exact"
-    captured = prompt_len - 1
-    layout = PromptLayout(captured, chunk_size, cp_size) if captured else None
-    chunks = len(layout.chunks) if layout else 0
-    rows = layout.local_length(rank) if layout else 0
+    plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
+    chain = plan.captured
+    chunks = len(chain)
+    rows = plan.capacity if chunks else 0
 
     tensors = [s for layer in specs for s in layer]
-    fixed = sum(_spec_bytes(s, 0, dtype) for s in tensors if not s.growing) if chunks else 0
+    fixed = sum(s.nbytes(0, dtype) for s in tensors) if chunks else 0  # what does not grow with the rows
     boundaries = fixed * (chunks - 1) if exact and chunks else 0  # every chunk's start state but the first
-    state = sum(_spec_bytes(s, rows, dtype) for s in tensors if s.growing) + fixed + boundaries
+    state = sum(s.nbytes(rows, dtype) - s.nbytes(0, dtype) for s in tensors) + fixed + boundaries
     state_grad = leaf_grad = 0
     if exact and rows:
         grad_dtype = torch.promote_types(dtype, torch.float32)
-        state_grad = sum(_spec_bytes(s, rows, grad_dtype) for s in tensors if s.differentiable)
-        leaf_grad = sum(_spec_bytes(s, rows, dtype) for s in tensors if s.differentiable)
+        state_grad = sum(s.nbytes(rows, grad_dtype) for s in tensors if s.differentiable)
+        leaf_grad = sum(s.nbytes(rows, dtype) for s in tensors if s.differentiable)
 
     real = min(group_size, cp_size)  # the first round: a response on each of min(G, R) ranks, 1-token dummies after
     replay_queries = real * response_len + (cp_size - real)
@@ -511,15 +516,14 @@ def _estimate(
     score_block = max(score_transient_bytes(config.vocab_size, batch * response_len),
                       shapes.pass_q_score_block(replay_queries, rows + response_len))
     if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
-        score_block = max(score_block, shapes.pass_q_score_block(max(e - s for s, e in layout.chunks), rows))
+        score_block = max(score_block, shapes.pass_q_score_block(max(plan.segments[k].length for k in chain), rows))
     backward = backward_pass_q = backward_transient = 0
     if exact and chunks:
         # the last chunk has the longest prefix; when it is short, the one before is larger
-        for k in range(max(chunks - 2, 0), chunks):
-            start, end = layout.chunks[k]
-            sizes, prefix = layout.slice_sizes(k), layout.rows_before(k, rank)
+        for k in chain[max(chunks - 2, 0):]:
+            sizes, prefix = plan.rank_tokens(k), plan.rank_prefix_rows(k)[rank]
             saved, pass_q = shapes.saved(
-                sizes[rank], end - start, prefix, rows, last_layer_stops=True, consecutive=True,
+                sizes[rank], plan.segments[k].length, prefix, rows, last_layer_stops=True, consecutive=True,
                 checkpointed=checkpointed,
             )
             if saved > backward:
@@ -700,7 +704,7 @@ def gpu_table(
     run: Training,
     gpu_bytes: int,
     gpus_per_node: int = 8,
-    specs: list[tuple[StateSpec, ...]] | None = None,
+    specs: list[tuple[StateKind, ...]] | None = None,
     params: ParameterCounts | None = None,
 ) -> GpuTable:
     """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2

@@ -103,7 +103,7 @@ def replay_errors(model, dtype: torch.dtype, prompt, responses, loss_fn: LossFn,
     with torch.no_grad():
         expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
         standard_lp = [full_log_probs(cast, prompt, r)[0] for r in responses]
-    log_probs = group_log_probs(cast, prompt, responses, chunk_size=chunk_size)
+    log_probs = group_log_probs(cast, prompt, responses, chunk_size=chunk_size).log_probs
     cast.zero_grad(set_to_none=True)
     group_backward(cast, prompt, responses, loss_fn, prompt_grad="exact", chunk_size=chunk_size)
     return {

@@ -88,18 +88,39 @@ def test_peak_memory_metric_covers_the_step_only(engines):
     assert 0 < step_peak < lifetime_peak - 2**28
 
 
-def test_training_captures_each_prompt_once(engines, monkeypatch):
-    """The log-prob pass keeps each fragment's prompt state and the backward reuses it."""
+@pytest.mark.parametrize("single_forward", [True, False])
+def test_training_captures_each_segment_once_per_walk(engines, monkeypatch, single_forward):
+    """Training walks each micro-batch's prefix trees once (one replay per response), or twice (two passes:
+    log-probs, then the backward); each walk captures every captured segment of its plan once (a prompt is
+    forwarded two or three times per step: the captures and the recompute), and the metrics count what ran."""
     import verl_longstraw.api as api
+    import verl_longstraw.execute as execute
 
     _, longstraw = engines("qwen3")
+    previous = longstraw.longstraw.single_forward
+    object.__setattr__(longstraw.longstraw, "single_forward", single_forward)
     captures: list[int] = []
-    original = api.capture
-    monkeypatch.setattr(api, "capture", lambda *a, **k: captures.append(1) or original(*a, **k))
+    walks: list[tuple[str, int, int]] = []
+    capture, walk = execute._Walk._capture, api.walk
+
+    def counted_walk(adapter, plan, sequences, mode, *args, **kwargs):
+        walks.append((mode, len(plan.captured), plan.tokens_forwarded(mode)))
+        return walk(adapter, plan, sequences, mode, *args, **kwargs)
+
+    monkeypatch.setattr(execute._Walk, "_capture", lambda self, step: captures.append(1) or capture(self, step))
+    monkeypatch.setattr(api, "walk", counted_walk)
     td = make_batch(n_groups=2, group_size=4, seed=5)
-    _, _, metrics = train_step(longstraw, td, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS)
-    fragments = sum(metrics["longstraw/fragments"].values)  # one value per micro-batch
-    assert len(captures) == fragments > 0
+    try:
+        _, _, metrics = train_step(longstraw, td, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS)
+    finally:
+        object.__setattr__(longstraw.longstraw, "single_forward", previous)
+    if single_forward:
+        assert walks and all(mode == "exact" for mode, _, _ in walks)
+    else:
+        assert [mode for mode, _, _ in walks] == ["log_probs", "exact"] * (len(walks) // 2) and walks
+        assert [n for _, n, _ in walks[::2]] == [n for _, n, _ in walks[1::2]]  # the same plan twice
+    assert len(captures) == sum(n for _, n, _ in walks) > 0
+    assert sum(metrics["longstraw/tokens_forwarded"].values) == sum(t for _, _, t in walks)
 
 
 def test_detached_differs_from_exact(dist, model_dirs):

@@ -29,9 +29,9 @@ def _run(model, prompt, responses, chunk, mode, group):
     """(log-probs [G] list, losses [G], flat parameter gradient summed over the group)."""
     model.zero_grad(set_to_none=True)
     state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=mode == "exact", cp_group=group)
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group)
+    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group).log_probs
     losses = group_backward(model, prompt, responses, _loss, prompt_grad=mode, chunk_size=chunk, state=state,
-                            cp_group=group)
+                            cp_group=group).losses
     grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
     if group is not None:
         dist.all_reduce(grad, group=group)

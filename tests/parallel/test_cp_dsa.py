@@ -15,8 +15,8 @@ from verl_longstraw.ops.dsa_topk import dsa_topk_mask
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.dsa import sharded_dsa_topk_mask
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.parallel.layout import PromptLayout, split_evenly
 from verl_longstraw.parallel.segment import SegmentSharding
+from verl_longstraw.plan import split_evenly, star_plan
 from verl_longstraw.testing import make_group, weighted_loss
 from verl_longstraw.tiny import VOCAB, tiny_model
 
@@ -46,11 +46,11 @@ def _has_boundary_tie(q, weights, keys) -> bool:
 
 def _op_case(rank: int, world: int, group, consecutive: bool, tied: bool, seed: int) -> dict:
     """This rank's distributed mask against the columns of the single-process masks it should equal."""
-    layout = PromptLayout(PREFIX, PREFIX_CHUNK, world)
-    spans = tuple(layout.slices(k)[rank] for k in range(len(layout.chunks)))
+    plan = star_plan(PREFIX + 1, [1], PREFIX_CHUNK, world=world, rank=rank)
+    spans = tuple((plan.segments[k].own_start, plan.segments[k].own_end) for k in plan.captured)
     rows = torch.cat([torch.arange(start, end) for start, end in spans])
     query_sizes = tuple(split_evenly(23, world)) if consecutive else tuple(4 + 3 * r for r in range(world))
-    sharding = SegmentSharding(group, query_sizes, tuple(layout.local_length(r) for r in range(world)), consecutive,
+    sharding = SegmentSharding(group, query_sizes, plan.rank_rows_after(plan.captured[-1]), consecutive,
                                prefix_spans=spans)
     # every rank draws every rank's tokens: one sequence (prefix ++ segment) or a response per rank
     if consecutive:
@@ -87,8 +87,9 @@ def _model_case(group, chunk: int | None, num_responses: int, seed: int) -> dict
                        indexer_types=["full", "full", "shared"])
     prompt, responses = make_group(VOCAB, 97, [3 + (5 * i + seed) % 11 for i in range(num_responses)], seed=seed)
     state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=True, cp_group=group)
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group)
-    losses = group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk, state=state, cp_group=group)
+    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group).log_probs
+    losses = group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk, state=state,
+                            cp_group=group).losses
     grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
     if group is not None:
         dist.all_reduce(grad, group=group)

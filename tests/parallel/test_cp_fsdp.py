@@ -48,12 +48,12 @@ def _lockstep_worker(rank: int, world: int, family: str) -> dict:
     model = _wrap(tiny_model(family, torch.float32))
     group = dist.new_group(list(range(world)))
 
-    ref_lps = group_log_probs(reference, prompt, responses, chunk_size=48)
+    ref_lps = group_log_probs(reference, prompt, responses, chunk_size=48).log_probs
     group_backward(reference, prompt, responses, _loss, chunk_size=48)
 
     with FsdpRecorder(list(model.model.layers)) as recorder, comm.trace_collectives() as cp_trace:
         state = capture_prompt(model, prompt, chunk_size=48, cp_group=group)
-        lps = group_log_probs(model, prompt, responses, chunk_size=48, state=state, cp_group=group)
+        lps = group_log_probs(model, prompt, responses, chunk_size=48, state=state, cp_group=group).log_probs
         group_backward(model, prompt, responses, _loss, chunk_size=48, state=state, cp_group=group)
         kept_unsharded_grad = recorder.kept_unsharded_grad()
     # FSDP averages the ranks' partial gradients over the shard group: x world gives their sum

@@ -23,7 +23,7 @@ from ..ops.gated_delta_rule import gated_delta_rule
 from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.segment import SegmentSharding
-from ..state import LayerState, StateSpec
+from ..state import LayerState, StateKind
 
 
 @dataclass
@@ -67,7 +67,7 @@ class SegmentContext:
             return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True)
         s = self.sharding
         return sharded_gated_delta_rule(
-            q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True, mode=s.delta_rule_mode
+            q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True
         )
 
     def conv_input(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,12 +158,8 @@ class Adapter(ABC):
 
     # -- to implement per architecture -------------------------------------------------
     @abstractmethod
-    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
-        """Layout of layer ``idx``'s state tensors."""
-
-    @abstractmethod
-    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
-        """State before any token: growing tensors with 0 rows, fixed ones at their initial value."""
+    def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
+        """Kind of each of layer ``idx``'s state tensors (``state.kinds``: layout, gradient, bytes, empty value)."""
 
     @abstractmethod
     def mix(
@@ -171,7 +167,7 @@ class Adapter(ABC):
     ) -> tuple[torch.Tensor | None, LayerState]:
         """Token mixer of layer ``idx``: normalised input ``x`` [B, S, hidden] -> (output [B, S, hidden], state).
 
-        B is 1, or B > 1 right-padded responses replayed together after one batch-1 ``past`` (whose growing
+        B is 1, or B > 1 right-padded responses replayed together after one batch-1 ``past`` (whose ``Rows``
         tensors must be broadcast, never copied per response; ``SegmentContext.attention`` does so).
 
         Without ``need_output`` only the state is needed (the output may be None), e.g. the
@@ -196,8 +192,9 @@ class Adapter(ABC):
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def specs(self) -> list[tuple[StateSpec, ...]]:
-        return [self.state_specs(i) for i in range(self.num_layers)]
+    def specs(self) -> list[tuple[StateKind, ...]]:
+        """Every layer's ``state_kinds``."""
+        return [self.state_kinds(i) for i in range(self.num_layers)]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] -> hidden [1, S, hidden]; ids [B, S] (right-padded sequences) -> [B, S, hidden]."""
@@ -212,12 +209,15 @@ class Adapter(ABC):
         cos, sin = rotary(h, positions)
         return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0], sharding=sharding)
 
-    def layer(self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool):
-        """One decoder layer. Returns (hidden, *segment_state), or the segment state alone without ``need_output``."""
+    def layer(
+        self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
+    ) -> tuple[torch.Tensor | None, ...]:
+        """One decoder layer: (hidden [B, S, hidden], *segment_state); hidden is None without ``need_output``.
+        A flat tuple of tensors, so module hooks (FSDP2's) see every output."""
         layer = self.layers[idx]
         mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past, need_output)
         if not need_output:
-            return state
+            return (None, *state)
         h = h + mixed
         out = layer.mlp(layer.post_attention_layernorm(h))
         if isinstance(out, tuple):  # MoE blocks of some releases also return router logits

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..state import LayerState, StateSpec
+from ..state import LayerState, Rows
 from .base import Adapter, SegmentContext, apply_rope, register
 
 
-def kv_specs(attn: nn.Module) -> tuple[StateSpec, ...]:
+def kv_kinds(attn: nn.Module) -> tuple[Rows, Rows]:
     """K and V, one token's row each [1, kv_heads, 1, head_dim]."""
-    row = StateSpec(growing=True, shape=(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim))
+    row = Rows(shape=(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim))
     return row, row
 
 
@@ -52,12 +52,6 @@ def attention_mix(
     return attn.o_proj(out), (k, v)
 
 
-def empty_kv(attn: nn.Module, like: torch.Tensor) -> LayerState:
-    kv_heads = attn.k_proj.out_features // attn.head_dim
-    empty = like.new_zeros(1, kv_heads, 0, attn.head_dim)
-    return empty, empty
-
-
 @register
 class DenseAttentionAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3")
@@ -78,11 +72,8 @@ class DenseAttentionAdapter(Adapter):
                 "is not supported. Shorten the sequence or set config.sliding_window=None."
             )
 
-    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
-        return kv_specs(self.layers[idx].self_attn)
-
-    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
-        return empty_kv(self.layers[idx].self_attn, like)
+    def state_kinds(self, idx: int) -> tuple[Rows, Rows]:
+        return kv_kinds(self.layers[idx].self_attn)
 
     def mix(self, idx, x, ctx, past, need_output):
         return attention_mix(self.layers[idx].self_attn, x, ctx, past, need_output)

@@ -1,9 +1,9 @@
 """Hybrid Gated DeltaNet + full attention (qwen3_next, qwen3_5).
 
 State per layer:
-- full attention: K, V [1, kv_heads, S, head_dim] (growing);
+- full attention: K, V [1, kv_heads, S, head_dim] (``Rows``);
 - Gated DeltaNet: conv state [1, conv_dim, kernel - 1] (the last inputs of the causal
-  depthwise conv) and recurrent state [1, heads, k_dim, v_dim] in float32 (both fixed-size).
+  depthwise conv) and recurrent state [1, heads, k_dim, v_dim] in float32 (both ``Fixed``).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..state import LayerState, StateSpec
+from ..state import Fixed, LayerState, StateKind
 from .base import Adapter, SegmentContext, per_sequence, register
-from .dense import attention_mix, empty_kv, kv_specs
+from .dense import attention_mix, kv_kinds
 
 
-def recurrent_specs(mixer: nn.Module) -> tuple[StateSpec, ...]:
+def recurrent_kinds(mixer: nn.Module) -> tuple[Fixed, Fixed]:
     """Conv state [1, conv_dim, kernel - 1] (model dtype), recurrent state [1, v_heads, k_dim, v_dim]
-    (at least float32)."""
-    conv = StateSpec(growing=False, shape=(1, mixer.conv_dim, mixer.conv_kernel_size - 1))
+    (at least float32); both start at zero."""
+    conv = Fixed(shape=(1, mixer.conv_dim, mixer.conv_kernel_size - 1))
     shape = (1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
-    return conv, StateSpec(growing=False, shape=shape, min_dtype=torch.float32)
+    return conv, Fixed(shape=shape, min_dtype=torch.float32)
 
 
 def _project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,18 +74,9 @@ class HybridGatedDeltaNetAdapter(Adapter):
     def _is_linear(self, idx: int) -> bool:
         return self.config.layer_types[idx] == "linear_attention"
 
-    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+    def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
         layer = self.layers[idx]
-        return recurrent_specs(layer.linear_attn) if self._is_linear(idx) else kv_specs(layer.self_attn)
-
-    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
-        layer = self.layers[idx]
-        if not self._is_linear(idx):
-            return empty_kv(layer.self_attn, like)
-        m = layer.linear_attn
-        conv = like.new_zeros(1, m.conv_dim, m.conv_kernel_size - 1)
-        recurrent = like.new_zeros(1, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=torch.float32)
-        return conv, recurrent
+        return recurrent_kinds(layer.linear_attn) if self._is_linear(idx) else kv_kinds(layer.self_attn)
 
     def mix(self, idx, x, ctx, past, need_output):
         layer = self.layers[idx]

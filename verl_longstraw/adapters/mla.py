@@ -20,7 +20,7 @@ from torch import nn
 
 from ..ops.attention import prefix_causal_attention_reference
 from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
-from ..state import LayerState, StateSpec
+from ..state import LayerState, Rows
 from .base import Adapter, SegmentContext, apply_rope, register
 
 
@@ -75,15 +75,12 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         attn = self.layers[idx].self_attn
         return getattr(attn, "indexer", None) is not None and not attn.skip_topk
 
-    def state_specs(self, idx: int) -> tuple[StateSpec, ...]:
+    def state_kinds(self, idx: int) -> tuple[Rows, ...]:
         attn = self.layers[idx].self_attn
-        latent = StateSpec(growing=True, shape=(1, 1, attn.kv_lora_rank + attn.qk_rope_head_dim))
+        latent = Rows(shape=(1, 1, attn.kv_lora_rank + attn.qk_rope_head_dim))
         if not self._runs_indexer(idx):
             return (latent,)
-        return latent, StateSpec(growing=True, shape=(1, 1, attn.indexer.head_dim), differentiable=False)
-
-    def empty_state(self, idx: int, like: torch.Tensor) -> LayerState:
-        return tuple(like.new_zeros(*spec.shape[:-2], 0, spec.shape[-1]) for spec in self.state_specs(idx))
+        return latent, Rows(shape=(1, 1, attn.indexer.head_dim), differentiable=False)
 
     def _dsa_mask(self, idx, attn, x, q_resid, ctx: SegmentContext, past: LayerState):
         """(extra indexer-key state, bool key mask or None) for a DSA layer (``_sparse_selection``)."""

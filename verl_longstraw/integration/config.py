@@ -32,13 +32,22 @@ class LongStrawConfig(BaseConfig):
         memory_budget_gb: GiB per device the pre-flight check allows; None (default) uses the
             device's free memory at the start of the step (host MemAvailable on CPU).
         replay_tokens: response tokens replayed in one forward: responses of a group go k at a time with
-            k x (longest of the k) <= replay_tokens, the prompt state broadcast (``verl_longstraw.replay``);
+            k x (longest of the k) <= replay_tokens, the prompt state broadcast (``verl_longstraw.plan``);
             memory grows with the budget, not with G. Default 8192 (one 8K response at a time); 1 replays
             every response alone. Under context parallelism one response per rank per round.
         single_forward: in training, replay each response once and backpropagate its own loss term
             when veRL's loss is a sum of per-response terms (``integration.losses.splits_by_response``:
             ppo_loss with vanilla, gspo, gpg, ... policy losses); other losses, or false, take the
             two-pass path (a no-grad replay to evaluate the loss, then a replay with autograd).
+        min_shared_tokens: rows of a micro-batch whose token ids share a prefix of at least this many tokens
+            share its segments (captured once, recomputed once), whatever produced them: a GRPO group's prompt, a
+            system prompt across groups, per-turn samples, branched rollouts (``verl_longstraw.plan.tree_plan``).
+            Shorter common prefixes are run inside each row: a segment of its own costs two more model calls
+            (capture and recompute), more than replaying a few dozen tokens per row. Default 64. One process only
+            (under context parallelism the GRPO groups are the unit).
+        response_chunk_size: a scored leaf (a response) longer than this replays as a chain of segments of this
+            many tokens, captured and recomputed like a chunked prompt, so a long response holds one segment's
+            graph instead of its whole length's; None (default) replays each response whole. One process only.
     """
 
     prompt_grad: str = "exact"
@@ -49,6 +58,8 @@ class LongStrawConfig(BaseConfig):
     memory_budget_gb: Optional[float] = None
     replay_tokens: int = 8192
     single_forward: bool = True
+    min_shared_tokens: int = 64
+    response_chunk_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         where = "actor_rollout_ref.actor.longstraw"
@@ -65,6 +76,12 @@ class LongStrawConfig(BaseConfig):
                 f"{where}.context_parallel_size={self.context_parallel_size!r} must be a positive integer "
                 "(1: no context parallelism)."
             )
+        if not _positive_int(self.min_shared_tokens):
+            raise ValueError(f"{where}.min_shared_tokens={self.min_shared_tokens!r} must be a positive integer "
+                             "(tokens of common prefix for rows to share its segments).")
+        if self.response_chunk_size is not None and not _positive_int(self.response_chunk_size):
+            raise ValueError(f"{where}.response_chunk_size={self.response_chunk_size!r} must be a positive integer "
+                             "or null (each response replayed whole).")
         if not _positive_int(self.replay_tokens):
             raise ValueError(f"{where}.replay_tokens={self.replay_tokens!r} must be a positive integer (response "
                              "tokens per replay forward; 1: one response at a time).")

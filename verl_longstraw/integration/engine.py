@@ -3,19 +3,24 @@
 Model building, FSDP2 wrapping, offload, checkpoints, the reference model and weight export
 are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differs:
 
-- forward (log-probs): regroup the micro-batch by (uid, prompt), run `group_log_probs` once
-  per fragment, and return veRL's nested `log_probs`/`entropy` over prompt + response.
+- the unit of work: in one process the micro-batch's rows form prefix trees (`regroup.prefix_trees`: one per
+  sampling temperature; the plan shares every prefix of at least `longstraw.min_shared_tokens` tokens, whatever
+  produced it: a GRPO group's prompt, a system prompt across groups, per-turn samples, branched rollouts), run by
+  `tree_log_probs` / `tree_backward`; under context parallelism the GRPO groups (`regroup.regroup`, by uid and
+  prompt), run by `group_log_probs` / `group_backward`.
+- forward (log-probs): one log-prob walk per unit, returned as veRL's nested `log_probs`/`entropy` over
+  prompt + response.
 - training, one replay per response (`longstraw.single_forward`, when veRL's loss splits into
   per-response terms: `losses.splits_by_response`): each response's replay evaluates veRL's loss with
   that response's log-probs live and backpropagates it at once; the loss value and metrics come from
   the detached log-probs afterwards.
 - training, two passes (other losses, e.g. clip_cov/kl_cov, or `single_forward: false`): evaluate
   veRL's own loss function (e.g. `ppo_loss` with the global normalisers) on no-grad log-probs, take its
-  gradient with respect to every token's log-prob/entropy, and backpropagate that through
-  `group_backward` per fragment. By the chain rule this is the gradient of veRL's loss for any policy
-  loss and `loss_agg_mode`; the cost is one extra replay forward per response. Each fragment's prompt
-  is captured once per step: the log-prob pass keeps the state (`capture_prompt`) and the backward
-  reuses it, so the states of one micro-batch's fragments are alive together between the two passes.
+  gradient with respect to every token's log-prob/entropy, and backpropagate that through a backward walk
+  per unit. By the chain rule this is the gradient of veRL's loss for any policy loss and `loss_agg_mode`;
+  the cost is one extra forward per response (and per shared segment of a tree). A GRPO group's prompt (CP) is
+  captured once per step: the log-prob pass keeps the state (`capture_prompt`) and the backward reuses it, so
+  the states of one micro-batch's groups are alive together between the two passes.
 
 With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
 FSDP2 sharding over the CP group (CP groups are replicas: HSDP). veRL dispatches by the data-parallel
@@ -47,8 +52,17 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
-from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
+from verl_longstraw import (
+    GroupResult,
+    GroupStats,
+    capture_prompt,
+    group_backward,
+    group_log_probs,
+    tree_backward,
+    tree_log_probs,
+)
 from verl_longstraw.adapters import Adapter, adapter_for
+from verl_longstraw.api import PromptState
 from verl_longstraw.estimate import (
     GIB,
     MemoryEstimate,
@@ -60,19 +74,23 @@ from verl_longstraw.estimate import (
 )
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
-from verl_longstraw.state import PromptState
+from verl_longstraw.plan import star_plan
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
 from .losses import splits_by_response
 from .regroup import (
     Fragment,
+    Tree,
     check_positions,
     gather_response_values,
+    prefix_trees,
     regroup,
     response_starts,
     sample_uids,
     scatter_response_values,
 )
+
+Unit = Fragment | Tree  # what one walk runs: a GRPO group (context parallel) or a prefix tree (one process)
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -157,28 +175,59 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
         )
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        fragments = [regroup(mb) for mb in micro_batches]
+        fragments = [regroup(mb) for mb in micro_batches]  # GRPO groups: the pre-flight's shapes, CP's units
         preflight = self._preflight(fragments, forward_only)
+        units = self._units(micro_batches, fragments)
         outputs = []
+        star_tokens = [self._star_tokens_forwarded(groups, loss_function, forward_only) for groups in fragments]
         if self.cp_mesh is None:
             defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
             for idx, micro_batch in enumerate(micro_batches):
                 sync = not forward_only and (idx == len(micro_batches) - 1 or not defer_sync)
                 with held_unsharded(self.module), torch.profiler.record_function(f"micro_batch{idx}"):
-                    _, output = self.forward_step(micro_batch, loss_function, forward_only, fragments[idx])
+                    _, output = self.forward_step(micro_batch, loss_function, forward_only, units[idx])
                     if sync:
                         sync_gradients(self.module, self._device, self._compute_dtype())
                 outputs.append(output)
         else:
             for idx, micro_batch in enumerate(micro_batches):
                 with torch.profiler.record_function(f"micro_batch{idx}"):
-                    outputs.append(self.forward_step(micro_batch, loss_function, forward_only, fragments[idx])[1])
+                    outputs.append(self.forward_step(micro_batch, loss_function, forward_only, units[idx])[1])
             if not forward_only and self.get_data_parallel_size() > 1:
                 average_over_replicas(self.module, self.get_data_parallel_group())
+        for output, tokens in zip(outputs, star_tokens, strict=True):
+            output["metrics"]["longstraw/star_tokens_forwarded"] = Metric(AggregationType.SUM, float(tokens))
         result = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
         result["metrics"]["longstraw/groups"] = Metric(AggregationType.SUM, float(len(set(uids or []))))
         result["metrics"]["longstraw/estimated_peak_gb"] = Metric(AggregationType.MAX, preflight / GIB)
         return result
+
+    def _walk_modes(self, loss_function: Optional[Callable], forward_only: bool) -> tuple[str, ...]:
+        """The walks one micro-batch's units take: ("log_probs",) forward only; (prompt_grad,) training with one
+        replay per response (``longstraw.single_forward`` and a loss that splits by response); ("log_probs",
+        prompt_grad) training in two passes."""
+        if forward_only:
+            return ("log_probs",)
+        if self.longstraw.single_forward and splits_by_response(loss_function):
+            return (self.longstraw.prompt_grad,)
+        return ("log_probs", self.longstraw.prompt_grad)
+
+    def _star_tokens_forwarded(self, groups: list[Fragment], loss_function: Optional[Callable],
+                               forward_only: bool) -> int:
+        """Tokens the star path (one plan per GRPO group, ``regroup``) runs on this rank for the same walks: the
+        baseline ``longstraw/tokens_forwarded`` is compared with (a two-pass step captures each prompt once)."""
+        modes = self._walk_modes(loss_function, forward_only)
+        knobs, total = self.longstraw, 0
+        for frag in groups:
+            plan = star_plan(len(frag.prompt_ids), [len(r) for r in frag.responses], knobs.chunk_size,
+                             knobs.replay_tokens, self.cp_size, comm.group_rank(self.get_context_parallel_group()))
+            total += sum(plan.tokens_forwarded(mode) for mode in modes) - plan.captured_tokens * (len(modes) - 1)
+        return total
+
+    def _units(self, micro_batches: list[TensorDict], fragments: list[list[Fragment]]) -> list[list[Unit]]:
+        """Each micro-batch's units of work: its GRPO groups (``fragments``, ``regroup``) under context
+        parallelism, else its prefix trees (``prefix_trees``)."""
+        return fragments if self.cp_mesh is not None else [prefix_trees(mb) for mb in micro_batches]
 
     @functools.cached_property
     def _unit_counts(self) -> ParameterCounts:
@@ -242,9 +291,9 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             device_type=get_device_name(),
         )
 
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, fragments: list[Fragment]):
-        """Log-probs (and entropy) of one micro-batch (on the device, its groups ``fragments`` =
-        ``regroup(micro_batch)``), its loss, and, when training, its gradient.
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, units: list[Unit]):
+        """Log-probs (and entropy) of one micro-batch (on the device, its ``units``: ``prefix_trees(micro_batch)``
+        in one process, ``regroup(micro_batch)`` under CP), its loss, and, when training, its gradient.
 
         Training takes one of two paths, reported as ``longstraw/single_forward`` (1 or 0): one replay per
         response that backpropagates the response's own loss term (``longstraw.single_forward`` and a loss
@@ -257,15 +306,17 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         check_positions(micro_batch)
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
-        single = not forward_only and self.longstraw.single_forward and splits_by_response(loss_function)
-        two_pass = not forward_only and not single
+        modes = self._walk_modes(loss_function, forward_only)
+        single = not forward_only and len(modes) == 1
+        two_pass = len(modes) == 2
         stats = GroupStats()
-        states: Optional[list[PromptState]] = [] if two_pass else None
         with comm.trace_collectives() as collectives:
             if single:
-                log_probs, entropy = self._replay_once(fragments, micro_batch, loss_function, calculate_entropy, stats)
+                log_probs, entropy = self._replay_once(units, micro_batch, loss_function, calculate_entropy, stats)
+                states = []
             else:
-                log_probs, entropy = self._log_probs(fragments, len(micro_batch), calculate_entropy, stats, states)
+                log_probs, entropy, states = self._log_probs(units, len(micro_batch), calculate_entropy, stats,
+                                                             keep_states=two_pass)
 
         offsets = micro_batch["input_ids"].offsets()
         lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(two_pass)
@@ -285,12 +336,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             loss, metrics = torch.tensor(1.0, device=get_device_id()), {}
 
         metrics = dict(metrics)
-        metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(fragments)))
+        metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(units)))
         if not forward_only:
             metrics["longstraw/single_forward"] = Metric(AggregationType.MEAN, float(single))
         if two_pass:
             with comm.trace_collectives() as backward_collectives:
-                self._backward(fragments, states, loss, lp_flat, ent_flat, micro_batch, stats)
+                self._backward(units, states, loss, lp_flat, ent_flat, micro_batch, stats)
             collectives += backward_collectives
         metrics.update(_stats_metrics(stats, collectives))
 
@@ -306,47 +357,53 @@ class LongStrawEngine(FSDPEngineWithLMHead):
 
     def _log_probs(
         self,
-        fragments: list[Fragment],
+        units: list[Unit],
         batch_size: int,
         calculate_entropy: bool,
         stats: GroupStats,
-        states: Optional[list[PromptState]],
-    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
+        keep_states: bool,
+    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]], list[Optional[PromptState]]]:
         """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd;
-        None for rows without response tokens (in no fragment).
+        None for rows without response tokens (in no unit).
 
-        With a ``states`` list (training), each fragment's captured prompt state is appended to it
-        for the backward pass.
+        With ``keep_states`` (training, two passes), also each unit's captured prompt state for the backward pass
+        (a GRPO group's, captured by ``capture_prompt``; None for a tree, whose backward walk captures again).
         """
         log_probs: list[Any] = [None] * batch_size
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
-        chunk_size = self.longstraw.chunk_size
-        for_backward = self.longstraw.prompt_grad == "exact"
-        cp_group = self.get_context_parallel_group()
+        states: list[Optional[PromptState]] = []
         with torch.no_grad(), self._autocast():
-            for frag in fragments:
+            for unit in units:
                 state = None
-                if states is not None:
-                    state = capture_prompt(self.module, frag.prompt_ids, chunk_size, for_backward, stats, cp_group)
-                    states.append(state)
-                out = group_log_probs(
-                    self.module,
-                    frag.prompt_ids,
-                    frag.responses,
-                    temperature=frag.temperature,
-                    chunk_size=chunk_size,
-                    return_entropy=calculate_entropy,
-                    stats=stats,
-                    state=state,
-                    cp_group=cp_group,
-                    replay_tokens=self.longstraw.replay_tokens,
-                )
-                lps, ents = out if calculate_entropy else (out, None)
-                for k, row in enumerate(frag.rows):
-                    log_probs[row] = lps[k].float()
-                    if ents is not None:
-                        entropy[row] = ents[k].float()
-        return log_probs, entropy
+                if keep_states and isinstance(unit, Fragment):
+                    state = capture_prompt(self.module, unit.prompt_ids, self.longstraw.chunk_size,
+                                           self.longstraw.prompt_grad == "exact", stats,
+                                           self.get_context_parallel_group())
+                states.append(state)
+                result = self._unit_log_probs(unit, calculate_entropy, stats, state)
+                for k, row in enumerate(unit.rows):
+                    log_probs[row] = result.log_probs[k].float()
+                    if calculate_entropy:
+                        entropy[row] = result.entropies[k].float()
+        return log_probs, entropy, states
+
+    def _unit_log_probs(
+        self, unit: Unit, with_entropy: bool, stats: GroupStats, state: Optional[PromptState]
+    ) -> GroupResult:
+        """The log-prob walk of one unit with the engine's knobs and CP group."""
+        knobs = self.longstraw
+        if isinstance(unit, Tree):
+            return tree_log_probs(
+                self.module, unit.sequences, unit.score_starts, temperature=unit.temperature,
+                chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
+                min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
+                replay_tokens=knobs.replay_tokens,
+            )
+        return group_log_probs(
+            self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature, chunk_size=knobs.chunk_size,
+            return_entropy=with_entropy, stats=stats, state=state, cp_group=self.get_context_parallel_group(),
+            replay_tokens=knobs.replay_tokens,
+        )
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss each rank backpropagates: through the gradient scaler if any, times R under context
@@ -355,38 +412,36 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         scaled = scaler.scale(loss) if scaler is not None else loss
         return scaled * self.cp_size if self.cp_size > 1 else scaled
 
-    def _group_backward(
+    def _unit_backward(
         self,
-        frag: Fragment,
+        unit: Unit,
         loss_fn: Callable,
         with_entropy: bool,
         stats: GroupStats,
         state: Optional[PromptState] = None,
-        return_log_probs: bool = False,
-    ):
-        """``group_backward`` of one fragment with the engine's knobs, CP group and compute dtype (``state``: the
-        prompt state captured by the log-prob pass, None to capture it here)."""
+    ) -> GroupResult:
+        """The backward walk of one unit with the engine's knobs, CP group and compute dtype (``state``: a GRPO
+        group's prompt state captured by the log-prob pass, None to capture it here)."""
+        knobs = self.longstraw
         with self._autocast():
+            if isinstance(unit, Tree):
+                return tree_backward(
+                    self.module, unit.sequences, unit.score_starts, loss_fn, prompt_grad=knobs.prompt_grad,
+                    temperature=unit.temperature, chunk_size=knobs.chunk_size,
+                    response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
+                    with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
+                    replay_tokens=knobs.replay_tokens,
+                )
             return group_backward(
-                self.module,
-                frag.prompt_ids,
-                frag.responses,
-                loss_fn,
-                prompt_grad=self.longstraw.prompt_grad,
-                chunk_size=self.longstraw.chunk_size,
-                temperature=frag.temperature,
-                with_entropy=with_entropy,
-                stats=stats,
-                state=state,
-                cp_group=self.get_context_parallel_group(),
-                state_grad_on_host=self.longstraw.state_grad_on_host,
-                replay_tokens=self.longstraw.replay_tokens,
-                return_log_probs=return_log_probs,
+                self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,
+                chunk_size=knobs.chunk_size, temperature=unit.temperature, with_entropy=with_entropy, stats=stats,
+                state=state, cp_group=self.get_context_parallel_group(), state_grad_on_host=knobs.state_grad_on_host,
+                replay_tokens=knobs.replay_tokens,
             )
 
     def _replay_once(
         self,
-        fragments: list[Fragment],
+        units: list[Unit],
         micro_batch: TensorDict,
         loss_function: Callable,
         calculate_entropy: bool,
@@ -394,9 +449,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
         """Training with one replay per response, for a loss that splits by response: each response's
         replay evaluates veRL's loss with that response's log-probs (and entropy) live and zeros in every
-        other row, and backpropagates it at once. Its gradient is the response's share of the micro-batch
-        loss's gradient (``losses`` module docstring). Returns the per-row log-probs and entropies (detached,
-        float32, None for rows in no fragment) for the loss value and metrics."""
+        other row, and backpropagates it at once (a tree's shared response tokens pass their share on). Its
+        gradient is the response's share of the micro-batch loss's gradient (``losses`` module docstring). Returns
+        the per-row log-probs and entropies (detached, float32, None for rows in no unit) for the loss value and
+        metrics."""
         batch_size = len(micro_batch)
         starts = response_starts(micro_batch)
         offsets = micro_batch["input_ids"].offsets()
@@ -410,33 +466,33 @@ class LongStrawEngine(FSDPEngineWithLMHead):
 
         log_probs: list[Any] = [None] * batch_size
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
-        for frag in fragments:
+        for unit in units:
 
-            def loss_fn(i: int, logps: torch.Tensor, ent: Optional[torch.Tensor] = None, frag=frag) -> torch.Tensor:
-                output = {"log_probs": live(logps, frag.rows[i])}
+            def loss_fn(i: int, logps: torch.Tensor, ent: Optional[torch.Tensor] = None, unit=unit) -> torch.Tensor:
+                output = {"log_probs": live(logps, unit.rows[i])}
                 if ent is not None:
-                    output["entropy"] = live(ent, frag.rows[i])
+                    output["entropy"] = live(ent, unit.rows[i])
                 loss, _ = loss_function(model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group())
                 return self._scale_loss(loss)
 
-            _, lps, ents = self._group_backward(frag, loss_fn, calculate_entropy, stats, return_log_probs=True)
-            for k, row in enumerate(frag.rows):
-                log_probs[row] = lps[k]
+            result = self._unit_backward(unit, loss_fn, calculate_entropy, stats)
+            for k, row in enumerate(unit.rows):
+                log_probs[row] = result.log_probs[k]
                 if calculate_entropy:
-                    entropy[row] = ents[k]
+                    entropy[row] = result.entropies[k]
         return log_probs, entropy
 
     def _backward(
         self,
-        fragments: list[Fragment],
-        states: list[PromptState],
+        units: list[Unit],
+        states: list[Optional[PromptState]],
         loss: torch.Tensor,
         lp_flat: torch.Tensor,
         ent_flat: Optional[torch.Tensor],
         micro_batch: TensorDict,
         stats: GroupStats,
     ) -> None:
-        """Backpropagate `loss` through every fragment's replay, via d(loss)/d(token log-prob, entropy)."""
+        """Backpropagate `loss` through every unit's backward walk, via d(loss)/d(token log-prob, entropy)."""
         leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
         grads = torch.autograd.grad(self._scale_loss(loss), leaves, allow_unused=True)
         g_lp = gather_response_values(_zeros_if_none(grads[0], lp_flat), micro_batch)
@@ -444,16 +500,16 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):
             g_ent = gather_response_values(grads[1], micro_batch)
 
-        for frag, state in zip(fragments, states, strict=True):
+        for unit, state in zip(units, states, strict=True):
 
-            def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, frag=frag):
-                row = frag.rows[i]
+            def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, unit=unit):
+                row = unit.rows[i]
                 term = (g_lp[row] * logps.float()).sum()
                 if entropy is not None:
                     term = term + (g_ent[row] * entropy.float()).sum()
                 return term
 
-            self._group_backward(frag, loss_fn, g_ent is not None, stats, state=state)
+            self._unit_backward(unit, loss_fn, g_ent is not None, stats, state=state)
 
 
 @EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -473,7 +529,9 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
     parallelism); `cp_collective_bytes` the tensors this rank passed to the CP collectives
     (`verl_longstraw.parallel.comm`). `peak_memory_gb` is the device's peak allocated memory since
     `forward_backward_batch` started (on the CPU platform: the process's peak resident set size
-    over the same span).
+    over the same span). `tokens_forwarded`: tokens this rank ran through the model (captures, replays,
+    recomputes; `GroupStats.tokens_forwarded`); `tree_segments`: segments of the plans walked (each walk of a
+    unit counts its plan's).
     """
     moved = sum(numel * getattr(torch, dtype).itemsize for _, _, numel, dtype in collectives)
     return {
@@ -484,6 +542,8 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
         "longstraw/capture_seconds": Metric(AggregationType.SUM, stats.capture_s),
         "longstraw/replay_seconds": Metric(AggregationType.SUM, stats.replay_s),
         "longstraw/prompt_backward_seconds": Metric(AggregationType.SUM, stats.prompt_backward_s),
+        "longstraw/tokens_forwarded": Metric(AggregationType.SUM, float(stats.tokens_forwarded)),
+        "longstraw/tree_segments": Metric(AggregationType.SUM, float(stats.segments)),
         "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
     }
 

@@ -1,4 +1,5 @@
-"""Regroup a micro-batch's samples into prompt groups (fragments of GRPO groups)."""
+"""Regroup a micro-batch's samples: into prompt groups (``regroup``: fragments of GRPO groups, by uid) and into
+rows for prefix trees (``prefix_trees``: whatever the rows share, found from their token ids by the plan)."""
 
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -19,6 +20,41 @@ class Fragment:
     rows: list[int]
     responses: list[torch.Tensor]
     temperature: float
+
+
+@dataclass
+class Tree:
+    """Samples of one micro-batch run as one prefix tree (``verl_longstraw.plan.tree_plan`` finds what they share).
+
+    rows: micro-batch rows; sequences: [P_i + T_i] prompt ++ response tokens per row (no padding);
+    score_starts: P_i (the first response token is the first scored); temperature: the rows' common one.
+    """
+
+    rows: list[int]
+    sequences: list[torch.Tensor]
+    score_starts: list[int]
+    temperature: float
+
+
+def prefix_trees(data: TensorDict) -> list[Tree]:
+    """The rows of a no-padding micro-batch with response tokens, one tree per sampling temperature (one
+    capture serves one temperature), in first-seen row order. Rows without response tokens are in no tree: they
+    have nothing to score and, as in veRL's engines, no loss term."""
+    values = data["input_ids"].values()
+    offsets = data["input_ids"].offsets().tolist()
+    lengths = prompt_lengths(data).tolist()
+    temperatures = sample_temperatures(data, len(offsets) - 1)
+    trees: dict[float, Tree] = {}
+    for row, p in enumerate(lengths):
+        if p < 1:
+            raise ValueError(f"sample {row} has no prompt tokens; LongStraw needs at least one.")
+        if offsets[row + 1] - offsets[row] <= p:
+            continue
+        tree = trees.setdefault(temperatures[row], Tree([], [], [], temperatures[row]))
+        tree.rows.append(row)
+        tree.sequences.append(values[offsets[row] : offsets[row + 1]])
+        tree.score_starts.append(int(p))
+    return list(trees.values())
 
 
 def prompt_lengths(data: TensorDict) -> torch.Tensor:

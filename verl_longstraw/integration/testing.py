@@ -13,7 +13,13 @@ import torch
 import verl  # noqa: F401  (loads the verl.plugins entry point: CPU platform + longstraw engine)
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
-from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+from verl.workers.config import (
+    FSDPActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    PolicyLossConfig,
+)
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -53,10 +59,18 @@ def save_tiny_model(family: str, path: str, **overrides) -> str:
 
 
 def actor_config(
-    strategy: str, loss_agg_mode: str, use_kl: bool, entropy_coeff: float, mbs: int, fsdp_size: int = -1, **longstraw
+    strategy: str,
+    loss_agg_mode: str,
+    use_kl: bool,
+    entropy_coeff: float,
+    mbs: int,
+    fsdp_size: int = -1,
+    policy_loss: dict | None = None,
+    **longstraw,
 ):
     """veRL actor config (policy loss settings + FSDP engine config, fp32, no compile); ``fsdp_size``
-    ranks per FSDP shard group (-1: all), ``longstraw`` the LongStraw knobs."""
+    ranks per FSDP shard group (-1: all), ``policy_loss`` veRL's PolicyLossConfig fields (None: vanilla),
+    ``longstraw`` the LongStraw knobs."""
     common = dict(
         rollout_n=1,
         ppo_mini_batch_size=1,
@@ -65,6 +79,7 @@ def actor_config(
         use_kl_loss=use_kl,
         kl_loss_coef=0.1,
         entropy_coeff=entropy_coeff,
+        policy_loss=PolicyLossConfig(**(policy_loss or {})),
         use_torch_compile=False,
         fsdp_config=FSDPEngineConfig(
             strategy="fsdp2",
@@ -131,17 +146,39 @@ def make_batch(
             uids.append(f"uid-{k}")
     n = len(prompts)
     responses[n - empty_responses :] = [responses[0][:0]] * empty_responses
+    masks = [torch.ones(len(r), dtype=torch.long) for r in responses]
+    masks[0][1:2] = 0  # a masked-out token inside a response (e.g. tool output)
+    return samples_batch(prompts, responses, uids, g, temperature, rank, world_size, masks)
+
+
+def samples_batch(
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    uids: list[str],
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    rank: int = 0,
+    world_size: int = 1,
+    response_masks: list[torch.Tensor] | None = None,
+):
+    """veRL 0.9.1 batch of the given samples: prompt i [P_i] and response i [T_i] token ids, group id `uids[i]`,
+    `response_masks[i]` [T_i] (0: a token without a loss term, e.g. tool output; None: all ones). Old/reference
+    log-probs and advantages are drawn from `generator`, rows shuffled by it; returns this rank's contiguous slice
+    (no-padding nested input_ids, as `make_batch`)."""
+    n = len(prompts)
+    if response_masks is None:
+        response_masks = [torch.ones(len(r), dtype=torch.long) for r in responses]
     p_max, r_max = max(len(p) for p in prompts), max(len(r) for r in responses)
     prompt_pad = torch.zeros(n, p_max, dtype=torch.long)
     resp_pad = torch.zeros(n, r_max, dtype=torch.long)
     attn = torch.zeros(n, p_max + r_max, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    response_mask = torch.zeros(n, r_max, dtype=torch.long)
+    for i, (p, r, m) in enumerate(zip(prompts, responses, response_masks, strict=True)):
         prompt_pad[i, p_max - len(p) :] = p
         resp_pad[i, : len(r)] = r
         attn[i, p_max - len(p) : p_max + len(r)] = 1
-    response_mask = attn[:, p_max:].clone()
-    response_mask[0, 1] = 0  # a masked-out token inside a response (e.g. tool output)
-    perm = torch.randperm(n, generator=g)
+        response_mask[i, : len(r)] = m
+    perm = torch.randperm(n, generator=generator)
     tensors = {
         "prompts": prompt_pad,
         "responses": resp_pad,
@@ -149,9 +186,9 @@ def make_batch(
         "attention_mask": attn,
         "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
         "response_mask": response_mask,
-        "old_log_probs": -torch.rand(n, r_max, generator=g) * 3 - 3.5,
-        "ref_log_prob": -torch.rand(n, r_max, generator=g) * 3 - 3.5,
-        "advantages": torch.randn(n, 1, generator=g).expand(n, r_max).contiguous(),
+        "old_log_probs": -torch.rand(n, r_max, generator=generator) * 3 - 3.5,
+        "ref_log_prob": -torch.rand(n, r_max, generator=generator) * 3 - 3.5,
+        "advantages": torch.randn(n, 1, generator=generator).expand(n, r_max).contiguous(),
     }
     tensors = {k: v[perm] for k, v in tensors.items()}
     uid = np.array(uids, dtype=object)[perm.numpy()]
@@ -172,11 +209,16 @@ def make_batch(
     return td
 
 
-def compute_log_prob(engine, td, micro_batch_size: int):
+def infer(engine, td, micro_batch_size: int) -> dict:
+    """veRL's compute_log_prob call (log-probs and entropy, no loss): the engine's whole output
+    (``model_output``, ``metrics``)."""
     tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, micro_batch_size_per_gpu=micro_batch_size)
     with engine.eval_mode():
-        out = engine.infer_batch(td, loss_function=None)
-    return out["model_output"]
+        return engine.infer_batch(td, loss_function=None)
+
+
+def compute_log_prob(engine, td, micro_batch_size: int):
+    return infer(engine, td, micro_batch_size)["model_output"]
 
 
 def train_step(engine, td, config, micro_batch_size: int):

@@ -1,1 +1,1 @@
-"""Tensor ops used by replay. Each fast op keeps a plain reference implementation beside it."""
+"""Tensor ops used by the walk (capture, replay, recompute); each fast op keeps a plain reference beside it."""

@@ -95,8 +95,8 @@ def _positions(s: SegmentSharding, prefix_rows: int, device: torch.device) -> tu
     if s.prefix_spans is None or sum(end - start for start, end in s.prefix_spans) != prefix_rows:
         raise ValueError(
             f"SegmentSharding.prefix_spans={s.prefix_spans} does not cover this rank's {prefix_rows} prefix rows: "
-            "DSA sparse selection needs the prompt positions of the rows (set by replay.prompt_chunks and "
-            "replay.response_rounds from the PromptLayout)"
+            "DSA sparse selection needs the prompt positions of the rows (set from the plan's "
+            "Split.prefix_spans)"
         )
     rank, prefix_total = group_rank(s.group), sum(s.prefix_sizes)
     before, own = sum(s.query_sizes[:rank]), s.query_sizes[rank]

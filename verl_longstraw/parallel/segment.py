@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-DELTA_RULE_MODES = ("affine", "sequential")
-
 
 @dataclass(frozen=True)
 class SegmentSharding:
@@ -22,12 +20,11 @@ class SegmentSharding:
     (capture and recompute chunks: state flows from rank to rank and later ranks see earlier
     ranks' keys); otherwise each rank's tokens are a sequence of their own (replayed responses,
     which only share the prompt state). ``prefix_spans``: the prompt positions of this rank's prefix rows, as
-    global [start, end) runs in row order (``PromptLayout`` sub-slices; DSA's top-k tie rule needs them).
+    global [start, end) runs in row order (``plan.Split``; DSA's top-k tie rule needs them).
     """
 
     group: dist.ProcessGroup
     query_sizes: tuple[int, ...]
     prefix_sizes: tuple[int, ...]
     consecutive: bool
-    delta_rule_mode: str = "affine"
     prefix_spans: tuple[tuple[int, int], ...] | None = None

@@ -1,0 +1,233 @@
+"""Prefix trees in the longstraw engine == veRL's stock fsdp2 engine on batches whose rows share more than a
+GRPO prompt (1 rank, gloo, CPU, fp32): a system prompt across groups, per-turn samples of multi-turn
+trajectories, branched rollouts sharing scored response prefixes, and masked tool tokens inside shared segments.
+The metrics show the sharing: the tokens forwarded and segments walked are the plan's (``plan.tree_plan`` on the
+same rows), fewer than the rows run one by one."""
+
+import dataclasses
+
+import pytest
+import torch
+from verl.workers.utils.padding import no_padding_2_padding
+
+from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
+from verl_longstraw.integration.regroup import prefix_trees
+from verl_longstraw.integration.testing import (
+    actor_config,
+    infer,
+    make_engine,
+    rel_diff,
+    samples_batch,
+    save_tiny_model,
+    train_step,
+)
+from verl_longstraw.plan import tree_plan
+from verl_longstraw.tiny import VOCAB
+
+MIN_SHARED = 8  # longstraw.min_shared_tokens: shorter than the test prompts, so every case shares
+TOL = 1e-5  # fp32: log-probs and entropies (absolute), gradients and parameters after the step (relative)
+
+
+def _tokens(g: torch.Generator, low: int, high: int | None = None) -> torch.Tensor:
+    """[n] random token ids, n = ``low`` or drawn from [low, high)."""
+    n = low if high is None else int(torch.randint(low, high, (1,), generator=g))
+    return torch.randint(1, VOCAB, (n,), generator=g)
+
+
+def _masked(response: torch.Tensor, *positions: int) -> torch.Tensor:
+    """[T] response mask, 0 at ``positions`` (tool output: no loss term)."""
+    mask = torch.ones(len(response), dtype=torch.long)
+    mask[list(positions)] = 0
+    return mask
+
+
+def system_prompt_batch(seed: int, temperature: float = 1.0):
+    """4 GRPO groups x 4 responses; every prompt is one 48-token system prompt + a 4-11 token user prompt."""
+    g = torch.Generator().manual_seed(seed)
+    system = _tokens(g, 48)
+    prompts, responses, uids = [], [], []
+    for k in range(4):
+        prompt = torch.cat([system, _tokens(g, 4, 12)])
+        for _ in range(4):
+            prompts.append(prompt)
+            responses.append(_tokens(g, 2, 9))
+            uids.append(f"group-{k}")
+    return samples_batch(prompts, responses, uids, g, temperature)
+
+
+def multi_turn_batch(seed: int, temperature: float = 1.0):
+    """Per-turn samples of 2 trajectories x 3 turns, each sample its own uid: turn k's prompt is turn k-1's prompt +
+    response + a new user turn. Every response has tool tokens (mask 0) at positions 1 and 2; turn k's response is
+    scored in sample k and lies inside the segment it shares with samples k+1, k+2."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, masks, uids = [], [], [], []
+    for t in range(2):
+        prompt = _tokens(g, 24)
+        for turn in range(3):
+            response = _tokens(g, 4, 8)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(_masked(response, 1, 2))
+            uids.append(f"trajectory-{t}-turn-{turn}")
+            prompt = torch.cat([prompt, response, _tokens(g, 3, 6)])
+    return samples_batch(prompts, responses, uids, g, temperature, response_masks=masks)
+
+
+def branched_batch(seed: int, temperature: float = 1.0):
+    """2 GRPO groups x 5 branched rollouts of one prompt: a 5-token trunk scored by every row, two 3-token
+    branches, then tails; one row ends at the branch point, one repeats another. Tool tokens (mask 0) in the
+    shared trunk (one row) and the shared branch (another)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, masks, uids = [], [], [], []
+    for k in range(2):
+        prompt, trunk = _tokens(g, 10), _tokens(g, 5)
+        branches = [torch.cat([trunk, _tokens(g, 3)]) for _ in range(2)]
+        tails = [torch.cat([branches[0], _tokens(g, 2, 6)]), torch.cat([branches[0], _tokens(g, 2, 6)]),
+                 torch.cat([branches[1], _tokens(g, 2, 6)])]
+        rows = [tails[0], tails[1], tails[2], tails[2], trunk]
+        row_masks = [_masked(tails[0], 1, 2), _masked(tails[1]), _masked(tails[2], 5), _masked(tails[2]),
+                     _masked(trunk)]
+        for response, mask in zip(rows, row_masks, strict=True):
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(mask)
+            uids.append(f"group-{k}")
+    return samples_batch(prompts, responses, uids, g, temperature, response_masks=masks)
+
+
+BATCHES = {"system_prompt": system_prompt_batch, "multi_turn": multi_turn_batch, "branched": branched_batch}
+
+
+@pytest.fixture(scope="module")
+def engines(dist, tmp_path_factory):
+    """Per family: (stock fsdp2 engine, longstraw engine with min_shared_tokens=MIN_SHARED), from one saved model."""
+    cache = {}
+    root = tmp_path_factory.mktemp("tree_models")
+
+    def get(family):
+        if family not in cache:
+            path = save_tiny_model(family, str(root / family))
+            stock = make_engine("fsdp2", path, actor_config("fsdp2", "token-mean", False, 0.0, 1), 1)
+            longstraw = make_engine(
+                "longstraw", path,
+                actor_config("longstraw", "token-mean", False, 0.0, 1, min_shared_tokens=MIN_SHARED), 1,
+            )
+            cache[family] = stock, longstraw
+        return cache[family]
+
+    return get
+
+
+def plans(td, knobs):
+    """The plans the engine walks for ``td`` as one micro-batch (one per tree), and the plans of its rows run
+    one by one (the same knobs, nothing shared)."""
+    trees = prefix_trees(td)
+
+    def plan(sequences, starts):
+        return tree_plan(sequences, starts, knobs.chunk_size, knobs.response_chunk_size, knobs.min_shared_tokens,
+                         knobs.replay_tokens)
+
+    shared = [plan(t.sequences, t.score_starts) for t in trees]
+    alone = [plan([s], [p]) for t in trees for s, p in zip(t.sequences, t.score_starts, strict=True)]
+    return shared, alone
+
+
+def metric_sum(metrics: dict, key: str) -> float:
+    return sum(metrics[key].values)
+
+
+def assert_walked(metrics: dict, td, knobs, modes: tuple[str, ...]) -> None:
+    """The step ran the plans of ``td``'s trees, one walk per mode in ``modes``, and forwarded fewer tokens than
+    its rows would one by one."""
+    shared, alone = plans(td, knobs)
+    tokens = sum(p.tokens_forwarded(mode) for p in shared for mode in modes)
+    assert metric_sum(metrics, "longstraw/tokens_forwarded") == tokens
+    assert metric_sum(metrics, "longstraw/tree_segments") == len(modes) * sum(len(p.segments) for p in shared)
+    assert tokens < sum(p.tokens_forwarded(mode) for p in alone for mode in modes)
+
+
+@pytest.mark.parametrize("case", sorted(BATCHES))
+def test_compute_log_prob_matches_fsdp2(engines, case):
+    """Forward only: the same log-probs and entropies; each input position of a tree is run once (fewer tokens
+    than the rows' own input positions)."""
+    stock, longstraw = engines("qwen3")
+    td = BATCHES[case](seed=1, temperature=0.7)
+    a = infer(stock, td.clone(), len(td))["model_output"]
+    out = infer(longstraw, td.clone(), len(td))
+    for key in ("log_probs", "entropy"):
+        x, y = no_padding_2_padding(a[key], td), no_padding_2_padding(out["model_output"][key], td)
+        assert (x - y).abs().max().item() <= TOL, key
+    assert_walked(out["metrics"], td, longstraw.longstraw, ("log_probs",))
+    row_positions = int(td["input_ids"].offsets().diff().sum()) - len(td)
+    assert metric_sum(out["metrics"], "longstraw/tokens_forwarded") < row_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One update_actor step: the batch (``BATCHES``), veRL's policy loss and aggregation, the model family, the
+    longstraw knobs, and the micro-batch size (None: the whole batch, one micro-batch)."""
+
+    batch: str
+    loss_mode: str = "vanilla"
+    agg: str = "token-mean"
+    family: str = "qwen3"
+    single_forward: bool = True
+    response_chunk_size: int | None = None
+    micro_batch_size: int | None = None
+
+    @property
+    def policy_loss(self) -> dict:
+        """veRL's PolicyLossConfig fields; clip_cov with bounds that clip tokens of these tiny models (a loss
+        that reads the whole batch's log-probs: two passes)."""
+        if self.loss_mode == "clip_cov":
+            return {"loss_mode": "clip_cov", "clip_cov_lb": 0.0, "clip_cov_ratio": 0.1}
+        return {"loss_mode": self.loss_mode}
+
+    @property
+    def replays_once(self) -> bool:
+        """Whether the step takes one replay per response (else two passes)."""
+        return self.single_forward and self.loss_mode in PER_RESPONSE_POLICY_LOSSES
+
+
+CASES = {
+    "system_prompt-vanilla": Case("system_prompt"),
+    "system_prompt-two_pass-mbs8": Case("system_prompt", single_forward=False, micro_batch_size=8),
+    "multi_turn-gspo": Case("multi_turn", "gspo", "seq-mean-token-mean"),
+    "multi_turn-vanilla-two_pass": Case("multi_turn", agg="seq-mean-token-sum", single_forward=False),
+    "branched-clip_cov": Case("branched", "clip_cov"),
+    "branched-cispo-response_chunk3": Case("branched", "cispo", response_chunk_size=3),
+    "multi_turn-clip_cov-response_chunk3": Case("multi_turn", "clip_cov", response_chunk_size=3),
+    "branched-qwen3_5": Case("branched", agg="seq-mean-token-mean", family="qwen3_5"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_update_actor_matches_fsdp2(engines, name):
+    """One update_actor step with KL loss and entropy on: the parameters fsdp2 reaches; the path taken (one replay
+    per response, or two passes) is the one asked for; clip_cov clips the same tokens; with one micro-batch, the
+    plan's tokens and segments."""
+    case = CASES[name]
+    stock, longstraw = engines(case.family)
+    td = BATCHES[case.batch](seed=2)
+    mbs = case.micro_batch_size or len(td)
+    cfg_s, cfg_l = (actor_config(s, case.agg, True, 0.01, mbs, policy_loss=case.policy_loss)
+                    for s in ("fsdp2", "longstraw"))
+    knobs = longstraw.longstraw
+    longstraw.longstraw = dataclasses.replace(knobs, single_forward=case.single_forward,
+                                              response_chunk_size=case.response_chunk_size)
+    try:
+        torch.manual_seed(0)  # clip_cov draws the clipped tokens from the global generator
+        gs, ps, stock_metrics = train_step(stock, td.clone(), cfg_s, mbs)
+        torch.manual_seed(0)
+        gl, pl, metrics = train_step(longstraw, td.clone(), cfg_l, mbs)
+        assert set(metrics["longstraw/single_forward"].values) == {float(case.replays_once)}
+        if mbs == len(td):
+            modes = ("exact",) if case.replays_once else ("log_probs", "exact")
+            assert_walked(metrics, td, longstraw.longstraw, modes)
+    finally:
+        longstraw.longstraw = knobs
+    if case.loss_mode == "clip_cov":
+        clipped = stock_metrics["actor/pg_clipfrac"].values
+        assert min(clipped) > 0 and metrics["actor/pg_clipfrac"].values == clipped
+    assert rel_diff(gl, gs) <= TOL
+    assert rel_diff(pl, ps) <= TOL

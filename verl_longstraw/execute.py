@@ -1,0 +1,476 @@
+"""Run a plan (``plan.Plan``): capture segments without autograd, replay leaves, recompute segments with the
+gradient their subtrees handed back, and return every row's log-probs (and losses).
+
+A walk (``walk``) follows ``Plan.steps``. Each step is one call of the model module (``run_segment``) and each
+layer one call of that layer, so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward. A
+layer's only positional argument is the hidden state: the state reaches it through a closure, so FSDP2's
+``cast_forward_inputs`` (bf16 mixed precision) never rounds a float32 recurrent state.
+
+Gradient (modes "exact" and "detached"): a row's loss (``loss_fn(row, log_probs[, entropies])``) is evaluated
+once its last segment has run: its values from leaves replayed in the same step are live (that step's backward
+runs through them), the values from earlier segments are leaves whose gradient is added to those segments'
+float32 per-token sums. In exact mode the state a replay or recompute reads is a leaf too, and its ``.grad``
+goes into the path store's float32 sums (``state.PathState``); a segment's recompute then backpropagates its
+state's summed gradient plus its scored tokens' (and hands the gradient of its parent's state on). So the
+gradient is the standard full-sequence one, each shared token scored once, and one path's state is held at a
+time. Detached mode reads the state as constants (the LongStraw paper's gradient), recomputing only segments
+that score tokens.
+
+Context parallel (``group``, star plans): every rank runs the same steps on its part (``Segment.own_*``,
+``Step.split``), the adapters' mixers attend and hand state across the ranks, and each replay round's values and
+losses are gathered so every rank ends with every row's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .adapters import Adapter
+from .adapters.base import call_as
+from .parallel import comm
+from .parallel.segment import SegmentSharding
+from .plan import Plan, Split, Step
+from .score import Scoring, score
+from .state import LayerState, PathState
+from .timing import Stopwatch
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class GroupStats:
+    """What a walk cost on this rank: bytes held (the largest over the walks recorded), seconds per phase and
+    tokens run through the model per phase (captured, replayed: real tokens, recomputed)."""
+
+    prompt_state_bytes: int = 0
+    state_grad_device_bytes: int = 0  # exact mode: float32 state-gradient sums on the device
+    state_grad_host_bytes: int = 0  # the same, kept in host memory (``state_grad_on_host``)
+    capture_s: float = 0.0
+    replay_s: float = 0.0
+    prompt_backward_s: float = 0.0
+    tokens_captured: int = 0
+    tokens_replayed: int = 0
+    tokens_recomputed: int = 0
+    segments: int = 0  # segments of the plans walked
+
+    @property
+    def tokens_forwarded(self) -> int:
+        """Tokens run through the model: captures, replays and recomputes."""
+        return self.tokens_captured + self.tokens_replayed + self.tokens_recomputed
+
+
+@dataclass
+class GroupResult:
+    """What every entry point returns: per row the float32 log-probs [T_i] of its scored tokens, the entropies
+    [T_i] when asked (else None), the losses [rows] when a loss was given (else None), detached; and the stats."""
+
+    log_probs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    losses: torch.Tensor | None
+    stats: GroupStats = field(default_factory=GroupStats)
+
+
+@dataclass
+class SegmentOutput:
+    """``run_segment``'s result: each layer's state of the segment, and the float32 log-probs and entropies
+    [B * S] of the scored positions (None where not scored / not asked)."""
+
+    states: list[LayerState]
+    log_probs: torch.Tensor | None
+    entropies: torch.Tensor | None
+
+
+class Sequences:
+    """Token ids of a plan's rows: row i is the concatenation of ``parts[i]`` (1-D tensors on one device), read
+    by span without materialising it (a star's rows share one prompt tensor)."""
+
+    def __init__(self, parts: Sequence[Sequence[torch.Tensor]]):
+        self.parts = [tuple(p) for p in parts]
+        self.lengths = [sum(len(t) for t in p) for p in self.parts]
+
+    def span(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of row ``row``."""
+        out, offset = [], 0
+        for part in self.parts[row]:
+            lo, hi = max(start - offset, 0), min(end - offset, len(part))
+            if lo < hi:
+                out.append(part[lo:hi])
+            offset += len(part)
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def run_segment(
+    adapter: Adapter,
+    ids: torch.Tensor,
+    start: int,
+    past: list[LayerState] | None,
+    scoring: Scoring | None,
+    sharding: SegmentSharding | None = None,
+) -> SegmentOutput:
+    """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before), or ``ids`` [B, S]:
+    B right-padded sequences after the same ``past``, in one forward (the state broadcast over them).
+
+    Every layer's segment state is returned; with ``scoring`` also the log-probs of ``scoring.targets`` and the
+    entropies (or None), each [B * S - scoring.first], the LM head scored a row chunk at a time (``score``) inside
+    the head module's call. Without it the last layer stops once its state is known (its output is never read).
+    """
+
+    def forward() -> tuple[torch.Tensor | None, ...]:
+        h = adapter.embed(ids)
+        ctx = adapter.context(h, start, sharding)
+        layer_past = past or [tuple(kind.empty(h) for kind in kinds) for kinds in adapter.specs()]
+        states = []
+        for idx, layer in enumerate(adapter.layers):
+            need_output = scoring is not None or idx < adapter.num_layers - 1
+
+            def layer_forward(h, idx=idx, need_output=need_output):
+                return adapter.layer(idx, h, ctx, layer_past[idx], need_output)
+
+            h, *state = call_as(layer, layer_forward, h)
+            states.extend(state)
+        log_probs = entropies = None
+        if scoring is not None:
+            head = adapter.model.lm_head
+
+            def head_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return score(hidden, head, scoring.targets, scoring.temperature, scoring.with_entropy)
+
+            log_probs, entropies = call_as(head, head_forward, adapter.final_hidden(h)[scoring.first :])
+        return (log_probs, entropies, *states)
+
+    log_probs, entropies, *flat = call_as(adapter.model, forward)
+    flat_iter = iter(flat)
+    return SegmentOutput([tuple(next(flat_iter) for _ in kinds) for kinds in adapter.specs()], log_probs, entropies)
+
+
+class _Walk:
+    """One walk of ``plan`` (``walk``); holds the values, gradient sums and losses while it runs."""
+
+    def __init__(self, adapter: Adapter, plan: Plan, sequences: Sequences, mode: str, temperature: float,
+                 with_entropy: bool, loss_fn: LossFn | None, group: comm.Group, store: PathState,
+                 captured: frozenset[int], stats: GroupStats):
+        self.adapter, self.plan, self.sequences, self.mode = adapter, plan, sequences, mode
+        self.temperature, self.with_entropy, self.loss_fn, self.group = temperature, with_entropy, loss_fn, group
+        self.store, self.captured, self.stats = store, captured, stats
+        self.backward = mode != "log_probs"
+        self.exact = mode == "exact"
+        self.values: dict[int, torch.Tensor] = {}  # segment -> float32 log-probs of its scored positions
+        self.entropy_values: dict[int, torch.Tensor] = {}
+        self.value_grads: dict[int, list[torch.Tensor | None]] = {}  # segment -> [d/d log-probs, d/d entropies]
+        self.losses: dict[int, torch.Tensor] = {}
+        self.rows_ending: dict[int, list[int]] = {}
+        for row, end in enumerate(plan.ends):
+            self.rows_ending.setdefault(end, []).append(row)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _sharding(self, split: Split | None) -> SegmentSharding | None:
+        if split is None:
+            return None
+        return SegmentSharding(self.group, split.query_sizes, split.prefix_sizes, split.consecutive,
+                               prefix_spans=split.prefix_spans)
+
+    def _parent_rows(self, parent: int | None) -> int:
+        return 0 if parent is None else self.plan.segments[parent].row_end
+
+    def _own_tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) [S] of this rank's part of segment ``index``."""
+        s = self.plan.segments[index]
+        return (self.sequences.span(s.row, s.own_start, s.own_end),
+                self.sequences.span(s.row, s.own_start + 1, s.own_end + 1))
+
+    def _scoring(self, targets: torch.Tensor, first: int = 0) -> Scoring:
+        return Scoring(targets[first:], self.temperature, self.with_entropy, first)
+
+    def _segment_scoring(self, index: int, targets: torch.Tensor) -> Scoring | None:
+        """The scoring of a captured segment's part on this rank: from its first scored position on (every rank
+        scores, perhaps no position, when the segment scores any: the LM head is called on every rank alike)."""
+        s = self.plan.segments[index]
+        if not s.scored:
+            return None
+        return self._scoring(targets, min(max(s.score_from - s.own_start, 0), s.own_end - s.own_start))
+
+    def _keep_values(self, index: int, log_probs: torch.Tensor, entropies: torch.Tensor | None) -> None:
+        self.values[index] = log_probs.detach()
+        if entropies is not None:
+            self.entropy_values[index] = entropies.detach()
+
+    def _keep_segment_values(self, index: int, out: SegmentOutput) -> None:
+        """Keep a captured segment's scored values; under CP every rank's parts, so every rank has them all."""
+        values = [out.log_probs, out.entropies]
+        if self.group is not None:
+            sizes = self.plan.rank_scored(index)
+            values = [None if v is None else torch.cat(comm.all_gather(v.detach().contiguous(), self.group, sizes))
+                      for v in values]
+        self._keep_values(index, *values)
+
+    def _owns_row_losses(self) -> bool:
+        """Whether this rank backpropagates the losses of rows ending at a captured segment (every rank evaluates
+        them; one backpropagates, as one rank does a leaf's)."""
+        return self.group is None or comm.group_rank(self.group) == 0
+
+    # -- rows and their losses ------------------------------------------------------------------------------
+    def _row_losses(self, rows: list[int], live: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
+        """Losses of ``rows`` (each a scalar tensor, a zero-size placeholder for a wrong return) and the leaves
+        standing for their values from earlier segments: [(segment, piece, lp leaf, entropy leaf)]."""
+        losses, stand_ins = [], []
+        for row in rows:
+            lp_parts, ent_parts = [], []
+            for piece in self.plan.pieces[row]:
+                if piece.segment in live:
+                    lp, ent = live[piece.segment]
+                    lp, ent = lp[piece.first : piece.last], None if ent is None else ent[piece.first : piece.last]
+                else:
+                    lp = self.values[piece.segment][piece.first : piece.last]
+                    ent = self.entropy_values.get(piece.segment)
+                    ent = None if ent is None else ent[piece.first : piece.last]
+                    if self.backward:
+                        lp = lp.detach().requires_grad_()
+                        ent = None if ent is None else ent.detach().requires_grad_()
+                        stand_ins.append((piece, lp, ent))
+                lp_parts.append(lp)
+                ent_parts.append(ent)
+            lp = lp_parts[0] if len(lp_parts) == 1 else torch.cat(lp_parts)
+            ent = None
+            if self.with_entropy:
+                ent = ent_parts[0] if len(ent_parts) == 1 else torch.cat(ent_parts)
+            losses.append(self.loss_fn(row, lp, ent) if self.with_entropy else self.loss_fn(row, lp))
+        return losses, stand_ins
+
+    def _add_value_grads(self, stand_ins) -> None:
+        for piece, lp, ent in stand_ins:
+            sums = self.value_grads.setdefault(piece.segment, [None, None])
+            for j, leaf in enumerate((lp, ent)):
+                if leaf is None or leaf.grad is None:
+                    continue
+                if sums[j] is None:
+                    sums[j] = torch.zeros_like(self.values[piece.segment])
+                sums[j][piece.first : piece.last] += leaf.grad
+
+    def _record_losses(self, rows: list[int], losses: list, like: torch.Tensor, step: Step | None) -> None:
+        """Check each loss is a scalar tensor (on every rank, for every rank's rows) and keep its value."""
+        payloads = [torch.stack([loss.detach().to(like.dtype), like.new_ones(())])
+                    if isinstance(loss, torch.Tensor) and loss.dim() == 0 else like.new_zeros(2) for loss in losses]
+        if step is not None and step.round:  # a CP round: every rank's rows' losses
+            sizes = tuple(len(self.rows_ending.get(i, ())) * 2 if i is not None else 2 for i in step.round)
+            mine = torch.cat(payloads) if payloads else like.new_zeros(2)
+            gathered = comm.all_gather(mine.contiguous(), self.group, sizes)
+            rows, payloads = [], []
+            for leaf, part in zip(step.round, gathered, strict=True):
+                if leaf is not None:
+                    rows.extend(self.rows_ending.get(leaf, ()))
+                    payloads.extend(part.view(-1, 2))
+        for row, (value, ok) in zip(rows, payloads, strict=True):
+            if not ok:
+                raise ValueError(f"loss_fn must return a scalar tensor; it did not for row {row}")
+            self.losses[row] = value
+
+    # -- steps -----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        for step in self.plan.steps(self.mode):
+            if step.phase == "release":
+                if step.segments[0] not in self.captured:
+                    s = self.plan.segments[step.segments[0]]
+                    self.store.release(s.index, s.row_start, s.row_end)
+                continue
+            if step.phase == "capture" and step.segments[0] in self.captured:
+                continue
+            watch = Stopwatch(self.store_device)
+            getattr(self, "_" + step.phase)(step)
+            seconds = watch.seconds()
+            if step.phase == "capture":
+                self.stats.capture_s += seconds
+            elif step.phase == "replay":
+                self.stats.replay_s += seconds
+            else:
+                self.stats.prompt_backward_s += seconds
+
+    @property
+    def store_device(self) -> torch.device:
+        return next(self.adapter.model.parameters()).device
+
+    def _capture(self, step: Step) -> None:
+        s = self.plan.segments[step.segments[0]]
+        inputs, targets = self._own_tokens(s.index)
+        past = self.store.read(step.parent, self._parent_rows(step.parent))
+        with torch.no_grad():
+            out = run_segment(self.adapter, inputs, s.own_start, past, self._segment_scoring(s.index, targets),
+                              self._sharding(step.split))
+        self.store.write(s.index, s.row_start, out.states)
+        self.stats.tokens_captured += s.own_end - s.own_start
+        self.stats.prompt_state_bytes = max(self.stats.prompt_state_bytes, self.store.nbytes())
+        if s.scored:
+            self._keep_segment_values(s.index, out)
+        rows = self.rows_ending.get(s.index, [])
+        if rows and self.loss_fn is not None:
+            with torch.enable_grad():
+                losses, stand_ins = self._row_losses(rows, {})
+            self._record_losses(rows, losses, self.values[s.index], None)
+            differentiable = [loss for loss in losses if loss.requires_grad]
+            if differentiable and self._owns_row_losses():
+                torch.autograd.backward(differentiable)
+                self._add_value_grads(stand_ins)
+
+    def _replay(self, step: Step) -> None:
+        parent_rows = self._parent_rows(step.parent)
+        if self.backward:
+            past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
+        else:
+            past = self.store.read(step.parent, parent_rows)
+        leaves = [i for i in step.segments if i is not None]
+        if not step.round:
+            pairs = [self._own_tokens(i) for i in leaves]
+            inputs = pad_sequence([p[0] for p in pairs], batch_first=True)
+            targets = pad_sequence([p[1] for p in pairs], batch_first=True).flatten()
+            lengths = [len(p[0]) for p in pairs]
+        else:
+            if leaves:
+                inputs, targets = self._own_tokens(leaves[0])
+            else:  # a dummy: one token, so the rank's calls match the others'
+                inputs = targets = self.sequences.span(0, 0, 1)
+            lengths = [len(inputs)]
+        start = self.plan.segments[leaves[0]].start if leaves else step_start(self.plan, step)
+        # a CP round after no state (roots) runs each rank's leaf alone: nothing to attend across the ranks
+        local = step.split is None or not any(step.split.prefix_sizes)
+        with torch.enable_grad() if self.backward else torch.no_grad():
+            out = run_segment(self.adapter, inputs, start, past, self._scoring(targets),
+                              None if local else self._sharding(step.split))
+            lps = [row[:n] for row, n in zip(out.log_probs.view(len(lengths), -1), lengths, strict=True)]
+            ents = [None] * len(lps)
+            if self.with_entropy:
+                ents = [row[:n] for row, n in zip(out.entropies.view(len(lengths), -1), lengths, strict=True)]
+            live = {i: (lp, ent) for i, lp, ent in zip(leaves, lps, ents, strict=False)}
+            rows = [row for i in leaves for row in self.rows_ending.get(i, [])]
+            losses, stand_ins = [], []
+            if self.loss_fn is not None:
+                losses, stand_ins = self._row_losses(rows, live)
+        self.stats.tokens_replayed += sum(lengths) if leaves else 0
+        self._gather_values(step, leaves, lps, ents)
+        if self.loss_fn is None:
+            return
+        self._record_losses(rows, losses, lps[0], step)
+        if not leaves:  # a CP dummy: a zero loss over the same graph, so its backward makes the same calls
+            losses = [lps[0].sum() * 0 + (ents[0].sum() * 0 if self.with_entropy else 0)]
+        torch.autograd.backward(losses)  # one backward for the batch
+        self._add_value_grads(stand_ins)
+        if self.exact:
+            self.store.add_grads(past, step.parent, parent_rows)
+            held = self.store.grad_nbytes()
+            if self.store.on_host:
+                self.stats.state_grad_host_bytes = max(self.stats.state_grad_host_bytes, held)
+            else:
+                self.stats.state_grad_device_bytes = max(self.stats.state_grad_device_bytes, held)
+
+    def _gather_values(self, step: Step, leaves: list[int], lps: list, ents: list) -> None:
+        """Keep the step's leaves' values; under CP every rank's (no autograd)."""
+        if not step.round:
+            for i, lp, ent in zip(leaves, lps, ents, strict=True):
+                self._keep_values(i, lp, ent)
+            return
+        for source, keep in ((lps, self.values), (ents, self.entropy_values)):
+            if source[0] is None:
+                continue
+            parts = comm.all_gather(source[0].detach().contiguous(), self.group, step.split.query_sizes)
+            for leaf, part in zip(step.round, parts, strict=True):
+                if leaf is not None:
+                    keep[leaf] = part
+
+    def _recompute(self, step: Step) -> None:
+        s = self.plan.segments[step.segments[0]]
+        inputs, targets = self._own_tokens(s.index)
+        parent_rows = self._parent_rows(step.parent)
+        past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
+        with torch.enable_grad():
+            out = run_segment(self.adapter, inputs, s.own_start, past, self._segment_scoring(s.index, targets),
+                              self._sharding(step.split))
+        outputs, grads = [], []
+        if self.exact:
+            state_grads = self.store.grads_for(s.index, s.row_start, s.row_end)
+            for layer_out, layer_grads in zip(out.states, state_grads, strict=True):
+                for value, grad in zip(layer_out, layer_grads, strict=True):
+                    if value.requires_grad:  # a zero gradient if none reached it: every rank runs the same graph
+                        outputs.append(value)
+                        grads.append(torch.zeros_like(value) if grad is None else grad.to(value.device, value.dtype))
+        value_grads = self.value_grads.pop(s.index, [None, None])
+        first, last = self.plan.own_scored(s.index)
+        kept = (self.values, self.entropy_values)
+        for value, grad, values in zip((out.log_probs, out.entropies), value_grads, kept, strict=True):
+            if value is None:
+                continue
+            if self.group is not None:  # the ranks' row losses all reached this segment's values: sum them
+                grad = comm.all_reduce_sum(torch.zeros_like(values[s.index]) if grad is None else grad, self.group)
+            if grad is not None:
+                outputs.append(value)
+                grads.append(grad[first:last])
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self.stats.tokens_recomputed += s.own_end - s.own_start
+        if self.exact:
+            self.store.add_grads(past, step.parent, parent_rows)
+
+
+def step_start(plan: Plan, step: Step) -> int:
+    """Position a CP dummy replays at: after its parent's positions."""
+    return 0 if step.parent is None else plan.segments[step.parent].end
+
+
+def walk(
+    adapter: Adapter,
+    plan: Plan,
+    sequences: Sequences,
+    mode: str,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    loss_fn: LossFn | None = None,
+    group: comm.Group = None,
+    state: PathState | None = None,
+    captured: frozenset[int] = frozenset(),
+    state_grad_on_host: bool = False,
+    stats: GroupStats | None = None,
+) -> GroupResult:
+    """Run ``plan`` over ``sequences`` computing ``mode`` (``plan.MODES``); ``loss_fn`` (modes "exact",
+    "detached") gets each row's values and its backward accumulates into the parameters' ``.grad``.
+
+    ``state``: a store already holding the segments ``captured`` (``capture``), which are not captured again and
+    not released. Returns every row's values (and losses) on every rank.
+    """
+    store = state if state is not None else PathState(adapter.specs(), plan.capacity, state_grad_on_host)
+    stats = stats if stats is not None else GroupStats()
+    stats.segments += len(plan.segments)
+    run = _Walk(adapter, plan, sequences, mode, temperature, with_entropy, loss_fn, group, store, captured, stats)
+    run.run()
+    log_probs, entropies = [], [] if with_entropy else None
+    for row in range(plan.num_rows):
+        pieces = plan.pieces[row]
+        log_probs.append(torch.cat([run.values[p.segment][p.first : p.last] for p in pieces]))
+        if with_entropy:
+            entropies.append(torch.cat([run.entropy_values[p.segment][p.first : p.last] for p in pieces]))
+    losses = None
+    if loss_fn is not None:
+        losses = torch.stack([run.losses[row] for row in range(plan.num_rows)])
+    return GroupResult(log_probs, entropies, losses, stats)
+
+
+def capture(adapter: Adapter, plan: Plan, sequences: Sequences, mode: str, group: comm.Group, stats: GroupStats,
+            on_host: bool = False) -> tuple[PathState, frozenset[int]]:
+    """Run the steps of a ``mode`` walk of ``plan`` up to its first replay or recompute (a star's prompt chain:
+    its captures, and the releases of what that mode no longer needs): the store and the segments captured, for
+    ``walk(state=..., captured=...)``."""
+    store = PathState(adapter.specs(), plan.capacity, on_host)
+    run = _Walk(adapter, plan, sequences, mode, 1.0, False, None, group, store, frozenset(), stats)
+    done = []
+    for step in plan.steps(mode):
+        if step.phase in ("replay", "recompute"):
+            break
+        if step.phase == "release":
+            s = plan.segments[step.segments[0]]
+            store.release(s.index, s.row_start, s.row_end)
+            continue
+        watch = Stopwatch(run.store_device)
+        run._capture(step)
+        stats.capture_s += watch.seconds()
+        done.append(step.segments[0])
+    return store, frozenset(done)

@@ -1,0 +1,489 @@
+"""The segment plan: which tokens run in which segment, in which order, on which rank. Built once per call and
+read by every phase (``execute``), the entry points (``api``), the engine, the estimate and the benchmarks.
+
+Rows and positions. Row i is a token sequence x[0..L_i) scored from token ``score_starts[i]`` on: the log-probs
+of x[t] given x[:t] for t >= score_start. Input position p (0 <= p < L_i - 1) runs token x[p] and predicts
+x[p + 1]; rows that share their first m + 1 tokens share input positions [0, m) (inputs and targets alike).
+
+A plan is a forest of segments. A segment is a span [start, end) of input positions continuing its parent's
+state (a root continues nothing), shared by every row whose path passes it, and scores its positions from
+``score_from`` on (``end``: none). Shapes:
+- the star (``star_plan``): the prompt's positions [0, P - 1) as a chain of ``chunk_size`` segments (one when
+  None), each response a leaf under its last segment (input [p[-1]] + r[:-1]);
+- a prefix tree (``tree_plan``): the trie of the rows' positions, cut where rows branch or end, where scoring
+  starts, into ``chunk_size`` chains (segments with children) and ``response_chunk_size`` chains (the scored
+  leaves: a long response becomes a chain whose last segment is the leaf).
+
+Order (``Plan.steps``): a depth-first walk. A segment with children is captured without autograd (``capture``);
+its leaf children are replayed in batches (``replay``: k siblings padded to the longest, k x T_max <=
+``replay_tokens``); its other children are walked; then, when it needs a gradient (exact mode: always; detached:
+when it scores tokens), it is recomputed (``recompute``); it is released (``release``) after the last step that
+reads it. So one root-to-leaf path's state is held at a time (``capacity`` rows).
+
+Context parallel (``world`` R > 1, star plans): computed from metadata every rank has, never from data, so every
+rank takes the same branches and issues the same collectives ("lockstep"). The captured positions are cut into
+global chunks of ``chunk_size`` (a last chunk shorter than R is merged into the one before, so every rank gets at
+least one token of every chunk); chunk k is split into R contiguous sub-slices, rank r taking sub-slice r
+(sizes differ by at most one), and each rank holds its sub-slices' rows in chunk order. Round-robin chunks, not
+one range per rank: the reverse sweep of the exact backward then keeps every rank busy (with one range per rank
+rank r's rows would wait for every later rank's key/value gradients: 1/R utilisation). Responses replay in
+rounds, response ``round * R + r`` on rank r; ranks without one in the last round replay a one-token dummy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+REPLAY_TOKENS = 8192  # default token budget of one replay batch: k leaves padded to the longest, k x T_max
+MODES = ("log_probs", "exact", "detached")  # what a walk computes: values only, or values and a gradient
+
+
+def split_evenly(count: int, parts: int) -> list[int]:
+    """``count`` items over ``parts`` contiguous parts, sizes differing by at most one (larger first)."""
+    return [count // parts + (r < count % parts) for r in range(parts)]
+
+
+def chunk_bounds(start: int, end: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """[(s, e)] covering positions [start, end) in chunks of ``chunk_size`` (one chunk if None)."""
+    size = chunk_size or max(end - start, 1)
+    return [(s, min(s + size, end)) for s in range(start, end, size)]
+
+
+def replay_batches(lengths: Sequence[int], replay_tokens: int) -> list[list[int]]:
+    """Indices packed in order into batches whose padded size k x max(T_i) stays within ``replay_tokens``
+    (one longer than the budget replays alone)."""
+    batches: list[list[int]] = []
+    longest = 0
+    for i, length in enumerate(lengths):
+        if batches and (len(batches[-1]) + 1) * max(longest, length) <= replay_tokens:
+            batches[-1].append(i)
+            longest = max(longest, length)
+        else:
+            batches.append([i])
+            longest = length
+    return batches
+
+
+def check_prompt_layout(captured: int, chunk_size: int | None, world: int) -> None:
+    """Raise ValueError, naming the fix, for a prompt of ``captured`` captured positions that cannot be split over
+    ``world`` CP ranks (every rank needs at least one token of every chunk)."""
+    _check_chunking(chunk_size, world)
+    if captured < world:
+        raise ValueError(
+            f"the prompt has {captured + 1} tokens ({captured} captured), fewer than the context-parallel "
+            f"size {world}: every rank needs at least one prompt token; use a smaller context_parallel_size"
+        )
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one step is split over the R ranks of a CP group (metadata; the group joins at run time).
+
+    Rank r runs ``query_sizes[r]`` tokens against its ``prefix_sizes[r]`` rows of state. ``consecutive``: the
+    ranks' tokens are consecutive sub-slices of one sequence in rank order (capture and recompute chunks: state
+    flows from rank to rank, later ranks see earlier ranks' keys); otherwise each rank's tokens are a sequence of
+    their own (replayed leaves, which share only the state). ``prefix_spans``: the positions of this rank's
+    prefix rows as [start, end) runs in row order (DSA's top-k tie rule needs them)."""
+
+    query_sizes: tuple[int, ...]
+    prefix_sizes: tuple[int, ...]
+    consecutive: bool
+    prefix_spans: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Input positions [start, end) after ``parent``'s (None: a root), scored from ``score_from`` on
+    (``end``: nothing scored). ``row``: a row whose path passes it (its tokens are the segment's).
+    This rank's part: input positions [``own_start``, ``own_end``) and state rows [``row_start``,
+    ``row_start + own_end - own_start``) (one process: the positions themselves); under CP a captured segment's
+    ``split`` (every rank's tokens and rows before it, ``rank_rows``), a leaf's part the whole leaf."""
+
+    index: int
+    parent: int | None
+    start: int
+    end: int
+    score_from: int
+    row: int
+    children: tuple[int, ...] = ()
+    own_start: int = -1
+    own_end: int = -1
+    row_start: int = -1
+    split: Split | None = None
+    rank_rows: tuple[int, ...] = (0,)  # every rank's rows of state before the segment
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def scored(self) -> int:
+        """Positions it scores."""
+        return self.end - self.score_from
+
+    @property
+    def row_end(self) -> int:
+        """This rank's rows after the segment: where its children's rows start."""
+        return self.row_start + self.own_end - self.own_start
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a row's scored values: values [first, last) of ``segment``'s scored positions."""
+
+    segment: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of the model on this rank: ``phase`` "capture", "recompute" or "release" of ``segments`` (one), or
+    "replay" of ``segments``: k >= 1 sibling leaves after ``parent`` in one process, this rank's leaf (None: a one-token
+    dummy that keeps the ranks' calls matched) under CP; ``round`` every rank's leaf of a CP round."""
+
+    phase: str
+    segments: tuple[int | None, ...]
+    parent: int | None
+    split: Split | None = None
+    round: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Segments (by index; parents before children), rows (``pieces``: each row's scored values in order;
+    ``ends``: each row's last segment), ``capacity`` (state rows of the longest path on this rank), ``world``
+    and this rank."""
+
+    segments: tuple[Segment, ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+    ends: tuple[int, ...]
+    capacity: int
+    replay_tokens: int
+    world: int = 1
+    rank: int = 0
+    _steps: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def roots(self) -> tuple[int, ...]:
+        return tuple(s.index for s in self.segments if s.parent is None)
+
+    def is_leaf(self, index: int) -> bool:
+        return not self.segments[index].children
+
+    def needs_recompute(self, index: int, mode: str) -> bool:
+        """Whether a captured segment is run again with autograd: exact mode always, detached when it scores."""
+        return mode == "exact" or (mode == "detached" and self.segments[index].scored > 0)
+
+    def steps(self, mode: str) -> tuple[Step, ...]:
+        """This rank's steps of a walk computing ``mode`` (``MODES``), in order (module docstring)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in self._steps:
+            steps: list[Step] = []
+            self._walk(None, tuple(self.roots), mode, steps)
+            self._steps[mode] = _with_releases(steps)
+        return self._steps[mode]
+
+    def _walk(self, parent: int | None, children: tuple[int, ...], mode: str, steps: list[Step]) -> None:
+        leaves = [c for c in children if self.is_leaf(c)]
+        steps.extend(self._replays(parent, leaves))
+        for child in children:
+            if self.is_leaf(child):
+                continue
+            steps.append(Step("capture", (child,), parent, self.segments[child].split))
+            self._walk(child, self.segments[child].children, mode, steps)
+            if self.needs_recompute(child, mode):
+                steps.append(Step("recompute", (child,), parent, self.segments[child].split))
+
+    def _replays(self, parent: int | None, leaves: list[int]) -> list[Step]:
+        if not leaves:
+            return []
+        if self.world == 1:
+            lengths = [self.segments[i].length for i in leaves]
+            return [Step("replay", tuple(leaves[i] for i in batch), parent)
+                    for batch in replay_batches(lengths, self.replay_tokens)]
+        steps = []
+        state_rows = self.rank_rows_after(parent)
+        spans = self._spans(parent)
+        for first in range(0, len(leaves), self.world):
+            round_ = tuple(leaves[first + r] if first + r < len(leaves) else None for r in range(self.world))
+            sizes = tuple(self.segments[i].length if i is not None else 1 for i in round_)
+            split = Split(sizes, state_rows, False, spans)
+            steps.append(Step("replay", (round_[self.rank],), parent, split, round_))
+        return steps
+
+    def rank_rows_after(self, parent: int | None) -> tuple[int, ...]:
+        """Every rank's rows of state after segment ``parent`` (None: before any)."""
+        if parent is None:
+            return (0,) * self.world
+        s = self.segments[parent]
+        return tuple(r + n for r, n in zip(s.rank_rows, self.rank_tokens(parent), strict=True))
+
+    def _spans(self, parent: int | None) -> tuple[tuple[int, int], ...]:
+        """This rank's positions of the rows after ``parent``, as runs in row order."""
+        return tuple((self.segments[i].own_start, self.segments[i].own_end)
+                     for i in (self.path(parent) if parent is not None else []))
+
+    # -- what the walk costs, read by the estimate, the engine's metrics and the tests -------------------------
+    def tokens_forwarded(self, mode: str) -> int:
+        """Tokens this rank runs through the model in a walk of ``mode``: captures, replays (real tokens),
+        recomputes."""
+        total = 0
+        for step in self.steps(mode):
+            if step.phase == "release":
+                continue
+            for index in step.segments:
+                if index is not None:
+                    s = self.segments[index]
+                    total += s.own_end - s.own_start
+        return total
+
+    def rank_scored(self, index: int) -> tuple[int, ...]:
+        """Every rank's scored positions of segment ``index`` (its part from ``score_from`` on)."""
+        s = self.segments[index]
+        start, out = s.start, []
+        for size in self.rank_tokens(index):
+            out.append(max(0, start + size - max(start, s.score_from)))
+            start += size
+        return tuple(out)
+
+    def own_scored(self, index: int) -> tuple[int, int]:
+        """[first, last) of segment ``index``'s scored values that this rank's part computes."""
+        s = self.segments[index]
+        first = max(s.own_start, s.score_from)
+        return first - s.score_from, max(first, s.own_end) - s.score_from
+
+    def rank_tokens(self, index: int) -> tuple[int, ...]:
+        """Every rank's tokens of segment ``index`` (one process: its length)."""
+        split = self.segments[index].split
+        return split.query_sizes if split is not None else (self.segments[index].length,)
+
+    def rank_prefix_rows(self, index: int) -> tuple[int, ...]:
+        """Every rank's rows of state before segment ``index`` (one process: its start)."""
+        split = self.segments[index].split
+        return split.prefix_sizes if split is not None else (self.segments[index].row_start,)
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """Segments with children (captured, and recomputed in exact mode), in plan order."""
+        return tuple(s.index for s in self.segments if s.children)
+
+    @property
+    def captured_tokens(self) -> int:
+        """Tokens this rank captures in any walk (its part of every segment with children)."""
+        return sum(self.segments[i].own_end - self.segments[i].own_start for i in self.captured)
+
+    @property
+    def distinct_tokens(self) -> int:
+        """Input positions of the forest, each shared position once."""
+        return sum(s.length for s in self.segments)
+
+    def path(self, index: int) -> list[int]:
+        """Segments from a root down to ``index``."""
+        out = []
+        while index is not None:
+            out.append(index)
+            index = self.segments[index].parent
+        return out[::-1]
+
+
+def _with_releases(steps: list[Step]) -> tuple[Step, ...]:
+    """``steps`` with a "release" of every captured segment right after the last step that reads its state (a
+    child's capture, replay or recompute) or its own recompute, whichever is later."""
+    last: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        if step.phase == "capture":
+            last.setdefault(step.segments[0], k)
+        if step.parent is not None:
+            last[step.parent] = k
+        if step.phase == "recompute":
+            last[step.segments[0]] = k
+    after: dict[int, list[int]] = {}
+    for segment, k in last.items():
+        after.setdefault(k, []).append(segment)
+    out = []
+    for k, step in enumerate(steps):
+        out.append(step)
+        out.extend(Step("release", (segment,), None) for segment in after.get(k, []))
+    return tuple(out)
+
+
+def chain_bounds(start: int, end: int, chunk_size: int | None, min_length: int) -> list[tuple[int, int]]:
+    """``chunk_bounds``, a last chunk shorter than ``min_length`` merged into the one before (under CP every rank
+    needs at least one token of every captured segment: ``min_length`` = R)."""
+    bounds = [list(b) for b in chunk_bounds(start, end, chunk_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < min_length:
+        last = bounds.pop()
+        bounds[-1][1] = last[1]
+    return [(s, e) for s, e in bounds]
+
+
+def _finish(segments: list[dict], rows: list[tuple[int, int]], replay_tokens: int, world: int, rank: int) -> Plan:
+    """The plan of segments (dicts of ``parent``, ``start``, ``end``, ``score_from``, ``row``; parents first) and
+    rows (first scored position, last segment), on ``rank`` of ``world``: a captured segment (one with children)
+    is split into ``world`` contiguous parts, each rank's rows of a path its parts in path order."""
+    children: dict[int, list[int]] = {i: [] for i in range(len(segments))}
+    for i, s in enumerate(segments):
+        if s["parent"] is not None:
+            children[s["parent"]].append(i)
+    built: list[Segment] = []
+    ends_of: dict[int, tuple[int, ...]] = {}  # every rank's rows after a captured segment
+    for i, s in enumerate(segments):
+        before = ends_of[s["parent"]] if s["parent"] is not None else (0,) * world
+        own_start, own_end, split = s["start"], s["end"], None
+        if children[i] and world > 1:
+            sizes = tuple(split_evenly(s["end"] - s["start"], world))
+            own_start = s["start"] + sum(sizes[:rank])
+            own_end = own_start + sizes[rank]
+            path = []
+            index = s["parent"]
+            while index is not None:
+                path.append((built[index].own_start, built[index].own_end))
+                index = built[index].parent
+            split = Split(sizes, before, True, tuple(reversed(path)))
+            ends_of[i] = tuple(b + n for b, n in zip(before, sizes, strict=True))
+        elif children[i]:
+            ends_of[i] = (before[0] + s["end"] - s["start"],)
+        built.append(Segment(index=i, children=tuple(children[i]), own_start=own_start, own_end=own_end,
+                             row_start=before[rank], split=split, rank_rows=before, **s))
+    pieces = []
+    for first_scored, end in rows:
+        row_pieces = []
+        index: int | None = end
+        while index is not None:
+            seg = built[index]
+            lo = max(seg.score_from, first_scored, seg.start)
+            if lo < seg.end:
+                row_pieces.append(Piece(seg.index, lo - seg.score_from, seg.end - seg.score_from))
+            index = seg.parent
+        pieces.append(tuple(reversed(row_pieces)))
+    capacity = max((s.row_end for s in built if s.children), default=0)  # leaves write no state
+    return Plan(tuple(built), tuple(pieces), tuple(end for _, end in rows), capacity, replay_tokens, world, rank)
+
+
+def _check_chunking(chunk_size: int | None, world: int) -> None:
+    if chunk_size is not None and chunk_size < world:
+        raise ValueError(
+            f"chunk_size={chunk_size} is smaller than the context-parallel size {world}: every rank "
+            f"needs at least one token of every chunk; use chunk_size >= {world} (tokens per chunk, all ranks)"
+        )
+
+
+def star_plan(
+    prompt_len: int,
+    response_lens: Sequence[int],
+    chunk_size: int | None = None,
+    replay_tokens: int = REPLAY_TOKENS,
+    world: int = 1,
+    rank: int = 0,
+) -> Plan:
+    """One GRPO group: a prompt of ``prompt_len`` tokens (positions [0, P - 1) captured, in ``chunk_size`` chunks)
+    and one leaf per response of ``response_lens[i]`` tokens (input [p[-1]] + r[:-1], every position scored).
+    Rows: prompt + response i, scored from token P. ``world`` > 1: this ``rank``'s part of a CP group."""
+    captured = prompt_len - 1
+    if world > 1:
+        check_prompt_layout(captured, chunk_size, world)
+    segments = [dict(parent=None if k == 0 else k - 1, start=s, end=e, score_from=e, row=0)
+                for k, (s, e) in enumerate(chain_bounds(0, captured, chunk_size, world))]
+    last = len(segments) - 1 if segments else None
+    rows = []
+    for i, length in enumerate(response_lens):
+        segments.append(dict(parent=last, start=captured, end=captured + length, score_from=captured, row=i))
+        rows.append((captured, len(segments) - 1))
+    return _finish(segments, rows, replay_tokens, world, rank)
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor, limit: int) -> int:
+    """Length of the common prefix of token ids ``a`` and ``b`` within their first ``limit`` tokens."""
+    differs = (a[:limit] != b[:limit]).nonzero()
+    return int(differs[0, 0]) if len(differs) else limit
+
+
+def tree_plan(
+    sequences: Sequence[torch.Tensor],
+    score_starts: Sequence[int],
+    chunk_size: int | None = None,
+    response_chunk_size: int | None = None,
+    min_shared_tokens: int = 1,
+    replay_tokens: int = REPLAY_TOKENS,
+    world: int = 1,
+    rank: int = 0,
+) -> Plan:
+    """The prefix tree of rows ``sequences[i]`` (1-D token ids; compared on the host) scored from token
+    ``score_starts[i]`` on (module docstring); ``world`` > 1: this ``rank``'s part of a CP group.
+
+    Rows share the input positions of their common prefix when it has at least ``min_shared_tokens`` tokens
+    (shorter sharing splits the rows into separate trees). Each trie node is cut where scoring starts (its rows'
+    earliest scored position), its unscored or shared part into ``chunk_size`` chains, a scored leaf into a
+    ``response_chunk_size`` chain (None: whole). Identical rows share every segment. Under CP every captured
+    segment has at least R positions (one per rank): a shorter chain tail joins the piece before it, a shorter
+    cut where scoring starts is not made (the segment scores from inside), and a shorter shared node is not
+    shared (its rows' children start where it would have).
+    """
+    _check_chunking(chunk_size, world)
+    _check_chunking(response_chunk_size, world)
+    host = [s.detach().to("cpu") for s in sequences]
+    positions = [len(s) - 1 for s in host]  # input positions of each row
+    first_scored = [start - 1 for start in score_starts]  # each row's first scored input position
+    segments: list[dict] = []
+    ends = [-1] * len(host)
+
+    def add_chain(parent: int | None, start: int, end: int, score_from: int, size: int | None, row: int) -> int:
+        for s, e in chain_bounds(start, end, size, world):
+            segments.append(dict(parent=parent, start=s, end=e, score_from=min(max(score_from, s), e), row=row))
+            parent = len(segments) - 1
+        return parent
+
+    def groups_at(rows: list[int], depth: int) -> list[list[int]]:
+        """``rows`` (all sharing tokens [0, depth]) continuing past input position ``depth``, grouped by the
+        token after it."""
+        by_token: dict[int, list[int]] = {}
+        for r in rows:
+            by_token.setdefault(int(host[r][depth + 1]), []).append(r)
+        return list(by_token.values())
+
+    def build(rows: list[int], depth: int, parent: int | None) -> None:
+        """Segments of ``rows``, which share input positions [0, depth), after segment ``parent``."""
+        reference = host[rows[0]]
+        shared = min(positions[r] for r in rows)
+        for r in rows[1:]:
+            shared = min(shared, _common_prefix(host[r], reference, shared + 1) - 1)
+        ending = [r for r in rows if positions[r] == shared]
+        continuing = groups_at([r for r in rows if positions[r] > shared], shared)
+        branches = continuing + ([ending] if ending else [])
+        too_short = (parent is None and shared + 1 < min_shared_tokens) or 0 < shared - depth < world
+        if len(branches) > 1 and too_short:
+            for group in branches:
+                build(group, depth, parent)  # not shared: each branch on its own
+            return
+        if shared > depth:
+            score_from = min(max(first_scored[r], depth) for r in rows)
+            unscored_end = min(score_from, shared)
+            if continuing:  # captured: split where scoring starts only if both parts have R positions
+                cut = unscored_end if min(unscored_end - depth, shared - unscored_end) >= world else depth
+            else:  # a leaf: the unscored part is captured, the scored part replayed
+                cut = unscored_end if unscored_end - depth >= world else depth
+            if cut > depth:
+                parent = add_chain(parent, depth, cut, cut, chunk_size, rows[0])
+            if cut < shared:
+                size = chunk_size if continuing else response_chunk_size
+                parent = add_chain(parent, cut, shared, score_from, size, rows[0])
+        for r in ending:
+            ends[r] = parent
+        for group in continuing:
+            build(group, shared, parent)
+
+    roots: dict[tuple[int, int], list[int]] = {}
+    for r, s in enumerate(host):
+        roots.setdefault((int(s[0]), int(s[1])), []).append(r)
+    for rows in roots.values():
+        build(rows, 0, None)
+    return _finish(segments, list(zip(first_scored, ends, strict=True)), replay_tokens, world, rank)

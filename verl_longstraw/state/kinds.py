@@ -1,0 +1,178 @@
+"""State kinds: what one layer keeps for the tokens after it, and how that state is laid out along a tree path.
+
+An adapter declares, per layer, a tuple of kinds (one per state tensor). Every other module (the path store,
+the executor's gradient hand-off, the estimate) goes through the kind's methods, never through a test of which
+kind it is, so a new kind (e.g. a sliding window of the last W rows) is one class here.
+
+- ``Rows``: one row per token, tokens on dim -2 (attention K/V, an MLA latent, DSA indexer keys). Along a path
+  the rows of the segments are one buffer in position order; a segment writes its rows after its parent's.
+- ``Fixed``: a size independent of the tokens (Gated DeltaNet conv and recurrent state). Along a path each
+  segment's value at its end is kept (its children start from it); a segment replaces its parent's.
+
+Storage protocol (per state tensor of a layer), used by ``store.PathState``:
+``open(value, capacity)`` the storage at the first write, ``write(storage, key, row_start, value)``,
+``read(storage, parent, row_end)`` (the state a segment continues; a root continues nothing),
+``release(storage, key)``; the gradient sums mirror it (``add_grad``, ``grad_for``, ``release_grad``) in float32
+(float64 for float64 state).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Key = int  # a segment of the plan (``plan.Segment.index``)
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of a gradient sum for state of ``dtype``: float32, float64 for float64 state."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def grad_zeros(shape: tuple[int, ...], like: torch.Tensor, on_host: bool) -> torch.Tensor:
+    """Zeros of a gradient sum shaped ``shape``: on ``like``'s device, or in host memory (pinned where an
+    accelerator can copy from it asynchronously)."""
+    dtype = grad_dtype(like.dtype)
+    if not on_host:
+        return like.new_zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One state tensor of a layer. ``shape``: see the subclass. ``min_dtype``: stored in
+    ``promote_types(model dtype, min_dtype)`` (a float32 recurrent state); None: the model's dtype.
+    ``differentiable``: the exact backward sends a gradient into it."""
+
+    shape: tuple[int, ...]
+    differentiable: bool = True
+    min_dtype: torch.dtype | None = None
+
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the tensor in a model of ``model_dtype``."""
+        return model_dtype if self.min_dtype is None else torch.promote_types(model_dtype, self.min_dtype)
+
+    def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
+        """Bytes of the tensor for ``rows`` tokens before it, in a model of ``model_dtype``."""
+        raise NotImplementedError
+
+    def row_nbytes(self, model_dtype: torch.dtype) -> int:
+        """Bytes the tensor adds per token (0 for a size independent of the tokens)."""
+        return self.nbytes(1, model_dtype) - self.nbytes(0, model_dtype)
+
+    def empty(self, like: torch.Tensor) -> torch.Tensor:
+        """The state before any token, on ``like``'s device in a model of ``like``'s dtype."""
+        raise NotImplementedError
+
+    # -- along a path (store.PathState) ------------------------------------------------
+    def open(self, value: torch.Tensor, capacity: int) -> Any:
+        raise NotImplementedError
+
+    def write(self, storage: Any, key: Key, row_start: int, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read(self, storage: Any, parent: int, row_end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self, storage: Any, key: Key) -> None:
+        raise NotImplementedError
+
+    def tensors(self, storage: Any) -> list[torch.Tensor]:
+        """The tensors a storage (or a gradient sum) holds; [] for None."""
+        raise NotImplementedError
+
+    def add_grad(self, sums: Any, parent: int, row_end: int, grad: torch.Tensor, capacity: int, on_host: bool) -> Any:
+        """Add ``grad`` (the gradient of ``read(storage, parent, row_end)``) into ``sums`` (None: none yet);
+        returns the sums."""
+        raise NotImplementedError
+
+    def grad_for(self, sums: Any, key: Key, row_start: int, row_end: int) -> torch.Tensor | None:
+        """The summed gradient of what segment ``key`` wrote (rows [row_start, row_end)); None if none."""
+        raise NotImplementedError
+
+    def release_grad(self, sums: Any, key: Key, row_start: int, row_end: int) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Rows(StateKind):
+    """One row per token: ``shape`` is one token's row, tokens on dim -2 (e.g. K [1, kv_heads, 1, head_dim]).
+    Storage: one buffer [..., capacity, d] in position order (a path's rows are a view of its first rows)."""
+
+    def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
+        return math.prod(self.shape) * rows * self.dtype(model_dtype).itemsize
+
+    def empty(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(*self.shape[:-2], 0, self.shape[-1], dtype=self.dtype(like.dtype))
+
+    def open(self, value: torch.Tensor, capacity: int) -> torch.Tensor:
+        return value.new_empty(*value.shape[:-2], capacity, value.shape[-1])
+
+    def write(self, storage: torch.Tensor, key: Key, row_start: int, value: torch.Tensor) -> None:
+        storage[..., row_start : row_start + value.shape[-2], :] = value
+
+    def read(self, storage: torch.Tensor, parent: int, row_end: int) -> torch.Tensor:
+        return storage[..., :row_end, :]
+
+    def release(self, storage: torch.Tensor, key: Key) -> None:
+        """Nothing to free: a later segment overwrites the rows."""
+
+    def tensors(self, storage: torch.Tensor | None) -> list[torch.Tensor]:
+        return [] if storage is None else [storage]
+
+    def add_grad(self, sums, parent, row_end, grad, capacity, on_host):
+        if sums is None:
+            sums = grad_zeros((*grad.shape[:-2], capacity, grad.shape[-1]), grad, on_host)
+        sums[..., :row_end, :] += grad.to(sums.device)
+        return sums
+
+    def grad_for(self, sums, key, row_start, row_end):
+        return None if sums is None else sums[..., row_start:row_end, :]
+
+    def release_grad(self, sums, key, row_start, row_end) -> None:
+        if sums is not None:
+            sums[..., row_start:row_end, :] = 0  # a later segment's rows start from zero
+
+
+@dataclass(frozen=True)
+class Fixed(StateKind):
+    """A size independent of the tokens: ``shape`` is the whole tensor's (e.g. a recurrent state [1, heads, k, v]).
+    Storage: each segment's value at its end, by segment (the path's segments and nothing else)."""
+
+    def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
+        return math.prod(self.shape) * self.dtype(model_dtype).itemsize
+
+    def empty(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(self.shape, dtype=self.dtype(like.dtype))
+
+    def open(self, value: torch.Tensor, capacity: int) -> dict[Key, torch.Tensor]:
+        return {}
+
+    def write(self, storage: dict, key: Key, row_start: int, value: torch.Tensor) -> None:
+        storage[key] = value
+
+    def read(self, storage: dict, parent: int, row_end: int) -> torch.Tensor:
+        return storage[parent]
+
+    def release(self, storage: dict, key: Key) -> None:
+        storage.pop(key, None)
+
+    def tensors(self, storage: dict | None) -> list[torch.Tensor]:
+        return [] if storage is None else list(storage.values())
+
+    def add_grad(self, sums, parent, row_end, grad, capacity, on_host):
+        sums = {} if sums is None else sums
+        if parent not in sums:
+            sums[parent] = grad_zeros(tuple(grad.shape), grad, on_host)
+        sums[parent] += grad.to(sums[parent].device)
+        return sums
+
+    def grad_for(self, sums, key, row_start, row_end):
+        return None if sums is None else sums.get(key)
+
+    def release_grad(self, sums, key, row_start, row_end) -> None:
+        if sums is not None:
+            sums.pop(key, None)

@@ -1,0 +1,108 @@
+"""The state along one root-to-segment path of a plan, and its gradient sums.
+
+A depth-first walk of the plan (``execute``) writes each segment's state after its parent's, reads the state a
+segment continues (its parent's path), and releases a segment once it and its subtree are done; its rows are
+then overwritten by the next sibling. So what is held at any time is one path's state: for ``Rows`` kinds one
+buffer of the plan's longest path (``Plan.capacity`` rows on this rank), for ``Fixed`` kinds the value at the end
+of each segment on the path. The exact backward sums d(loss)/d(state) the same way, in float32 (float64 for
+float64 state), on the device or in host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..memory import storage_nbytes
+from .kinds import Key, StateKind
+
+LayerState = tuple[torch.Tensor, ...]
+
+
+class PathState:
+    """Per-layer state (``kinds[layer][j]`` describes tensor j of a layer) along a path of at most ``capacity``
+    rows on this rank; ``on_host``: the gradient sums live in host memory."""
+
+    def __init__(self, kinds: list[tuple[StateKind, ...]], capacity: int, on_host: bool = False):
+        self.kinds = kinds
+        self.capacity = capacity
+        self.on_host = on_host
+        self.storage: list[list[Any]] | None = None  # opened by the first write, in its dtype
+        self.sums: list[list[Any]] = [[None] * len(layer) for layer in kinds]
+
+    def write(self, key: Key, row_start: int, state: list[LayerState]) -> None:
+        """Store segment ``key``'s state (rows for ``Rows`` kinds from ``row_start``, end values otherwise)."""
+        if self.storage is None:
+            self.storage = [
+                [kind.open(value, self.capacity) for kind, value in zip(layer, values, strict=True)]
+                for layer, values in zip(self.kinds, state, strict=True)
+            ]
+        for layer, storages, values in zip(self.kinds, self.storage, state, strict=True):
+            for kind, storage, value in zip(layer, storages, values, strict=True):
+                kind.write(storage, key, row_start, value)
+
+    def read(self, parent: Key | None, row_end: int) -> list[LayerState] | None:
+        """The state after segment ``parent`` (its path's ``row_end`` rows on this rank); None before a root."""
+        if parent is None:
+            return None
+        return [
+            tuple(kind.read(storage, parent, row_end) for kind, storage in zip(layer, storages, strict=True))
+            for layer, storages in zip(self.kinds, self.storage, strict=True)
+        ]
+
+    def leaves(self, parent: Key | None, row_end: int, requires_grad: bool) -> list[LayerState] | None:
+        """``read(parent, row_end)`` as autograd leaves; differentiable tensors get ``requires_grad``."""
+        past = self.read(parent, row_end)
+        if past is None:
+            return None
+        return [
+            tuple(t.detach().requires_grad_(requires_grad and kind.differentiable)
+                  for kind, t in zip(layer, values, strict=True))
+            for layer, values in zip(self.kinds, past, strict=True)
+        ]
+
+    def add_grads(self, leaves: list[LayerState] | None, parent: Key | None, row_end: int) -> None:
+        """Add each leaf's ``.grad`` (``leaves(parent, row_end, True)`` after a backward) into the sums; clears it."""
+        if leaves is None:
+            return
+        for j_layer, (layer, values) in enumerate(zip(self.kinds, leaves, strict=True)):
+            for j, (kind, leaf) in enumerate(zip(layer, values, strict=True)):
+                if leaf.grad is not None:
+                    self.sums[j_layer][j] = kind.add_grad(self.sums[j_layer][j], parent, row_end, leaf.grad,
+                                                          self.capacity, self.on_host)
+                    leaf.grad = None
+
+    def grads_for(self, key: Key, row_start: int, row_end: int) -> list[list[torch.Tensor | None]]:
+        """The summed gradient of everything segment ``key`` wrote (rows [row_start, row_end)), per tensor."""
+        return [
+            [kind.grad_for(sums, key, row_start, row_end) for kind, sums in zip(layer, layer_sums, strict=True)]
+            for layer, layer_sums in zip(self.kinds, self.sums, strict=True)
+        ]
+
+    def release(self, key: Key, row_start: int, row_end: int) -> None:
+        """Forget segment ``key``'s state and gradient sums (its subtree and its own backward are done)."""
+        for layer, storages, layer_sums in zip(self.kinds, self.storage or [[None] * len(k) for k in self.kinds],
+                                               self.sums, strict=True):
+            for kind, storage, sums in zip(layer, storages, layer_sums, strict=True):
+                if storage is not None:
+                    kind.release(storage, key)
+                kind.release_grad(sums, key, row_start, row_end)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state holds (buffers and kept end values)."""
+        return [t for layer, storages in zip(self.kinds, self.storage or [], strict=False)
+                for kind, storage in zip(layer, storages, strict=True) for t in kind.tensors(storage)]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient sum the state holds."""
+        return [t for layer, layer_sums in zip(self.kinds, self.sums, strict=True)
+                for kind, sums in zip(layer, layer_sums, strict=True) for t in kind.tensors(sums)]
+
+    def nbytes(self) -> int:
+        """Bytes of the storages the state keeps alive (each counted once and whole); the token ids not counted."""
+        return storage_nbytes(self.tensors())
+
+    def grad_nbytes(self) -> int:
+        """Bytes of the gradient sums (device or host)."""
+        return storage_nbytes(self.grad_tensors())
