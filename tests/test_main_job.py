@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,7 +37,7 @@ def test_example_holds_answer_after_queried_key():
     cfg = task.TaskConfig(num_pairs=50, num_query_keys=16)
     rng = random.Random(0)
     for _ in range(20):
-        ex = task.make_example(rng, cfg)
+        [ex] = task.make_document(rng, cfg)
         words = ex["content"].split()
         assert words[-2] == "query"
         qkey = words[-1]
@@ -53,7 +54,7 @@ def test_example_holds_answer_after_queried_key():
 
 def test_associative_recall_variant_queries_any_key():
     cfg = task.TaskConfig(num_pairs=30, num_query_keys=0)
-    ex = task.make_example(random.Random(1), cfg)
+    [ex] = task.make_document(random.Random(1), cfg)
     words = ex["content"].split()
     i = words.index(words[-1])
     assert i < len(words) - 1 and " ".join(words[i + 1 : i + 1 + cfg.value_len]) == ex["answer"]
@@ -70,6 +71,38 @@ def test_rows_follow_verl_rl_dataset_format_and_are_deterministic():
     assert r["reward_model"]["style"] == "rule"
     assert len(r["reward_model"]["ground_truth"].split()) == cfg.value_len
     assert {"index", "split", "num_pairs"} <= set(r["extra_info"])
+
+
+def test_shared_memory_rows_share_one_document_and_ask_distinct_keys():
+    """MEMORY=shared: each block of N rows is one document (same pairs, same order) holding N query keys, each
+    row asking another; the chat-formatted prompts of a block share every token up to the queried key."""
+    pytest.importorskip("transformers")
+    cfg = task.TaskConfig(num_keys=64, num_pairs=12, num_query_keys=8)
+    block = 4
+    rows = task.make_rows(cfg, 3 * block, "train", shared_memory_block=block)
+    assert rows == task.make_rows(cfg, 3 * block, "train", shared_memory_block=block)
+    assert [r["extra_info"]["index"] for r in rows] == list(range(3 * block))
+    qset = {task.key_token(i) for i in range(cfg.num_query_keys)}
+    tok = task.build_tokenizer(cfg.num_keys)
+    documents = []
+    for b in range(3):
+        words = [r["prompt"][0]["content"].split() for r in rows[b * block : (b + 1) * block]]
+        body = words[0][:-2]
+        assert all(w[:-2] == body and w[-2] == "query" for w in words), "one document per block"
+        keys = body[:: 1 + cfg.value_len]
+        asked = [w[-1] for w in words]
+        assert sorted(k for k in keys if k in qset) == sorted(asked) and len(set(asked)) == block
+        for r, key in zip(rows[b * block : (b + 1) * block], asked, strict=True):
+            i = body.index(key)
+            assert " ".join(body[i + 1 : i + 1 + cfg.value_len]) == r["reward_model"]["ground_truth"]
+        ids = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for r in rows[b * block : (b + 1) * block]]
+        query = len(ids[0]) - 4  # the queried key, then "<|im_end|> <|im_start|> assistant"
+        assert all(x[:query] == ids[0][:query] for x in ids) and len({x[query] for x in ids}) == block
+        documents.append(" ".join(body))
+    assert len(set(documents)) == 3
+    with pytest.raises(ValueError, match="num_query_keys"):
+        task.make_rows(cfg, 9, "train", shared_memory_block=9)
 
 
 def test_parquet_roundtrip(tmp_path):
@@ -122,7 +155,7 @@ def test_tokenizer_chat_template_and_decode():
     pytest.importorskip("tokenizers")
     pytest.importorskip("transformers")
     tok = task.build_tokenizer(64)
-    ex = task.make_example(random.Random(0), task.TaskConfig(num_keys=64, num_pairs=8))
+    [ex] = task.make_document(random.Random(0), task.TaskConfig(num_keys=64, num_pairs=8))
     text = tok.apply_chat_template([{"role": "user", "content": ex["content"]}],
                                    add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -206,6 +239,7 @@ def test_report_merges_attempts_later_wins(tmp_path):
     assert out["reward_start"] == pytest.approx(0.15) and out["reward_end"] == pytest.approx(0.75)
     assert out["exact_end"] == pytest.approx(0.375)
     assert out["checkpoint"].endswith("global_step_8")
+    assert "tokens_forwarded" not in out  # logged by the longstraw engine only
     assert json.loads((tmp_path / "summary.json").read_text())["last_step"] == 8
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "curve.png").stat().st_size > 1000
@@ -213,7 +247,8 @@ def test_report_merges_attempts_later_wins(tmp_path):
 
 def test_report_names_the_machine_and_splits_the_step(tmp_path, monkeypatch, capsys):
     phases = {"gen": 2.0, "old_log_prob": 1.0, "update_actor": 6.0, "update_weights": 0.02}
-    parts = {"capture_seconds": 1.0, "replay_seconds": 1.0, "prompt_backward_seconds": 3.0}
+    parts = {"capture_seconds": 1.0, "replay_seconds": 1.0, "prompt_backward_seconds": 3.0,
+             "tokens_forwarded": 1000.0, "star_tokens_forwarded": 4000.0}
     (tmp_path / "metrics").mkdir()
     with open(tmp_path / "metrics" / "attempt-a.jsonl", "w") as f:
         for step, scale in ((1, 5.0), (2, 1.0), (3, 1.0)):  # step 1: warm-up, left out of the split
@@ -232,6 +267,9 @@ def test_report_names_the_machine_and_splits_the_step(tmp_path, monkeypatch, cap
     printed = capsys.readouterr().out
     assert "gen 20%, old_log_prob 10%, update_actor 60% (capture 10%, replay 10%, prompt backward 30%)" in printed
     assert "update_weights" not in printed  # under half a percent of the step
+    # steps 1-3 forwarded 5000, 1000, 1000 tokens against the star path's 20000, 4000, 4000
+    assert out["tokens_forwarded"] == pytest.approx({"tokens": 7000 / 3, "star_tokens": 28000 / 3, "ratio": 0.25})
+    assert "[summary] per step    tokens_forwarded 2333 (star 9333, 0.25x)" in printed
     machine = out["machine"]
     assert f"[summary] machine     {summarize.describe(machine)}" in printed and "ATEN_CPU_CAPABILITY=avx2" in printed
     assert json.loads((tmp_path / "summary.json").read_text())["machine"] == machine
@@ -240,18 +278,21 @@ def test_report_names_the_machine_and_splits_the_step(tmp_path, monkeypatch, cap
 def test_follow_prints_one_line_per_step(tmp_path):
     log = tmp_path / "train.log"
     step_line = ("(TaskRunnerV1 pid=1) step:3 - actor/entropy:1.0 - critic/score/mean:0.4375 - "
-                 "reward_extra_info/acc/mean:np.float64(0.25) - response_length/mean:4.0 - timing_s/step:5.5\n")
+                 "reward_extra_info/acc/mean:np.float64(0.25) - response_length/mean:4.0 - "
+                 "actor/longstraw/star_tokens_forwarded:12000.0 - actor/longstraw/tokens_forwarded:3000.0 - "
+                 "timing_s/step:5.5\n")
     noise = "(WorkerDict pid=2) WARNING something\n"
     p = subprocess.run([sys.executable, str(RECIPE / "summarize.py"), "follow", "--log", str(log),
                         "--total-steps", "10"], input=noise + step_line, text=True, capture_output=True,
                        check=True)
     assert "step 3/10" in p.stdout and "reward 0.438" in p.stdout and "exact 0.25" in p.stdout
+    assert "tokens_forwarded 3000 (star 12000, 0.25x)" in p.stdout
     assert "WARNING" not in p.stdout
     assert log.read_text() == noise + step_line
 
 
-def _dry_run(tmp_path: Path, steps: int) -> str:
-    env = dict(os.environ, DRY_RUN="1", VENV=sys.prefix, WORKDIR=str(tmp_path / "wd"), STEPS=str(steps))
+def _dry_run(tmp_path: Path, steps: int, **knobs: str) -> str:
+    env = dict(os.environ, DRY_RUN="1", VENV=sys.prefix, WORKDIR=str(tmp_path / "wd"), STEPS=str(steps), **knobs)
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
@@ -275,6 +316,28 @@ def test_run_script_resumes_from_last_checkpoint(tmp_path):
     out = _dry_run(tmp_path, 6)
     assert "training already finished" in out and "verl.trainer.main_ppo" not in out
     assert "[summary]" in out
+
+
+def _main_ppo_args(out: str) -> list[str]:
+    return shlex.split(next(line for line in out.splitlines() if "verl.trainer.main_ppo" in line))
+
+
+def test_run_script_shared_memory_variant(tmp_path):
+    """MEMORY=shared: the default job's commands plus what keeps one document in one step: its own data (BATCH
+    prompts per document, sizes that are multiples of BATCH), veRL's sequential sampler and the whole step in
+    one micro-batch (BATCH x 8 responses), so LongStraw's prefix tree holds the document once."""
+    default = _dry_run(tmp_path, 3, BATCH="2")
+    assert "--shared-memory-block" not in default and "data.shuffle" not in default
+    shared = _dry_run(tmp_path, 3, BATCH="2", MEMORY="shared")
+    prepare = next(shlex.split(line) for line in shared.splitlines() if "prepare.py" in line)
+    assert prepare[-6:] == ["--shared-memory-block", "2", "--train-size", "256", "--val-size", "16"]
+    assert prepare[:-6] == next(shlex.split(line) for line in default.splitlines() if "prepare.py" in line)
+    assert _main_ppo_args(shared) == [*_main_ppo_args(default), "data.shuffle=false",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]
+    bad = subprocess.run(["bash", str(RECIPE / "run.sh")], env=dict(os.environ, MEMORY="both"), text=True,
+                         capture_output=True, timeout=60)
+    assert bad.returncode == 2 and "MEMORY=both" in bad.stderr
 
 
 E2E = pytest.mark.skipif(os.environ.get("LONGSTRAW_E2E") == "0", reason="end-to-end run switched off (LONGSTRAW_E2E=0)")

@@ -4,6 +4,8 @@ supervised warm start in plain torch, saved as the HF folder the RL run loads.
 
     python recipes/kv_retrieval/prepare.py --workdir runs/kv_retrieval
 
+``--shared-memory-block N`` (run.sh: MEMORY=shared, N = BATCH) makes every N consecutive
+prompts share one document, each asking another of its keys, and warm-starts on that layout.
 Each artefact is skipped when it already exists (``--force`` rebuilds).
 """
 
@@ -105,8 +107,12 @@ def multi_query_sequence(tokenizer, rng: random.Random, cfg: task.TaskConfig, nu
 def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, lr: float,
                min_pairs: int, max_pairs: int, queries: int = 16, log_every: int = 10, seed: int = 0,
                time_budget_s: float | None = None, tokens_per_step: int = 6144, eval_size: int = 8,
-               eval_every: int = 5, target: float | None = None) -> list[dict]:
+               eval_every: int = 5, target: float | None = None, shared_memory_block: int = 0) -> list[dict]:
     """Supervised warm-up on answers (multi-query conversations), min..max pairs.
+
+    Prompts are laid out as the RL data (``task.make_examples``): with ``shared_memory_block`` N > 0,
+    N consecutive sequences of a step share one document (and hold N query keys), so the model is trained
+    to pick the asked key among them; documents then have at least N pairs.
 
     The curriculum and learning-rate schedule follow the step count, and the warm-up stops at
     the first held-out evaluation (RL prompt length) whose p(correct digit) reaches ``target``:
@@ -121,7 +127,7 @@ def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, l
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     # a fixed held-out set at the RL prompt length: the warm start keeps its best state on it
     erng = random.Random(f"warmup-eval-{seed}")
-    evals = [encode_example(tokenizer, task.make_example(erng, cfg)) for _ in range(eval_size)]
+    evals = [encode_example(tokenizer, ex) for ex in task.make_examples(erng, cfg, eval_size, shared_memory_block)]
     best = {"score": -1.0, "state": None, "step": 0}
 
     def evaluate() -> float:
@@ -143,12 +149,12 @@ def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, l
         # curriculum: the longest prompt grows geometrically from min_pairs to max_pairs over
         # the first 80% of the budget; batches hold about tokens_per_step tokens.
         hi = min_pairs * (max_pairs / min_pairs) ** min(1.0, frac / 0.8)
-        n = max(min_pairs, min(max_pairs, int(round(rng.uniform(min_pairs, hi)))))
+        n = max(min_pairs, shared_memory_block, min(max_pairs, int(round(rng.uniform(min_pairs, hi)))))
         b = max(2, min(batch, tokens_per_step // (n * (1 + cfg.value_len) + 8)))
         if cfg.num_query_keys > 0 or queries <= 1:
             seqs = []
-            for _ in range(b):
-                p_ids, a_ids = encode_example(tokenizer, task.make_example(rng, cfg, num_pairs=n))
+            for ex in task.make_examples(rng, cfg, b, shared_memory_block, num_pairs=n):
+                p_ids, a_ids = encode_example(tokenizer, ex)
                 seqs.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
         else:
             seqs = [multi_query_sequence(tokenizer, rng, cfg, n, queries) for _ in range(b)]
@@ -209,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-query-keys", type=int, default=16)
     ap.add_argument("--train-size", type=int, default=512)
     ap.add_argument("--val-size", type=int, default=32)
+    ap.add_argument("--shared-memory-block", type=int, default=0,
+                    help="N > 0: every N consecutive prompts share one document, each asking another key "
+                         "(run.sh: MEMORY=shared, N = BATCH); --train-size and --val-size multiples of N")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warmup-steps", type=int, default=460,
@@ -227,6 +236,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
+    block = args.shared_memory_block
+    if block < 0:
+        ap.error(f"--shared-memory-block {block}: give 0 (a document per prompt) or the prompts per document")
+    for flag, size in (("--train-size", args.train_size), ("--val-size", args.val_size)):
+        if block and size % block:
+            ap.error(f"{flag} {size} is not a multiple of --shared-memory-block {block}: a step's batch must be "
+                     f"one whole document; give a multiple of {block}")
 
     import torch
 
@@ -243,11 +259,13 @@ def main(argv=None) -> int:
 
     train_pq, val_pq = os.path.join(data_dir, "train.parquet"), os.path.join(data_dir, "val.parquet")
     if args.force or not (os.path.exists(train_pq) and os.path.exists(val_pq)):
-        task.write_parquet(task.make_rows(cfg, args.train_size, "train"), train_pq)
-        task.write_parquet(task.make_rows(cfg, args.val_size, "val"), val_pq)
+        task.write_parquet(task.make_rows(cfg, args.train_size, "train", shared_memory_block=block), train_pq)
+        task.write_parquet(task.make_rows(cfg, args.val_size, "val", shared_memory_block=block), val_pq)
         with open(os.path.join(data_dir, "task.json"), "w") as f:
             f.write(cfg.to_json())
-        print(f"[prepare] data: {args.train_size} train / {args.val_size} val prompts -> {data_dir}", flush=True)
+        shared = f", {block} prompts per shared document" if block else ""
+        print(f"[prepare] data: {args.train_size} train / {args.val_size} val prompts{shared} -> {data_dir}",
+              flush=True)
     else:
         print(f"[prepare] data present: {data_dir}", flush=True)
 
@@ -267,7 +285,8 @@ def main(argv=None) -> int:
             hist = warm_start(model, tok, cfg, args.warmup_steps, args.warmup_batch, args.warmup_lr,
                               args.warmup_min_pairs, args.warmup_max_pairs or args.num_pairs,
                               queries=args.warmup_queries, seed=args.seed,
-                              time_budget_s=args.warmup_time_budget or None, target=args.warmup_target or None)
+                              time_budget_s=args.warmup_time_budget or None, target=args.warmup_target or None,
+                              shared_memory_block=block)
         os.makedirs(model_dir, exist_ok=True)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id

@@ -6,7 +6,9 @@
 #   bash recipes/kv_retrieval/run.sh
 #
 # Knobs (environment): WORKDIR, STRATEGY (longstraw|fsdp2), STEPS, BATCH, NUM_PAIRS, LR, SAVE_FREQ,
-# WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), VENV.
+# WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), MEMORY (per_prompt|shared), VENV.
+# MEMORY=shared: the BATCH prompts of a step share one document (an agent's memory), each asking
+# another key; it has its own default WORKDIR (runs/kv_retrieval_shared).
 # Extra arguments are passed to main_ppo as Hydra overrides, e.g.
 # `bash recipes/kv_retrieval/run.sh trainer.total_training_steps=5`.
 set -euo pipefail
@@ -14,7 +16,7 @@ set -euo pipefail
 RECIPE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$RECIPE/../.." && pwd)"
 VENV="${VENV:-$REPO/.venv-cpu}"
-WORKDIR="${WORKDIR:-$REPO/runs/kv_retrieval}"
+MEMORY="${MEMORY:-per_prompt}"  # per_prompt: a document per prompt; shared: one per step's BATCH prompts
 STRATEGY="${STRATEGY:-longstraw}"
 STEPS="${STEPS:-30}"
 BATCH="${BATCH:-4}"              # prompts per step; x8 responses each (GRPO group size 8)
@@ -26,6 +28,22 @@ WARMUP_SECONDS="${WARMUP_SECONDS:-600}"  # caps the warm-up on a slow machine
 PY="$VENV/bin/python"
 T0=$(date +%s)
 
+case "$MEMORY" in
+    per_prompt)
+        WORKDIR="${WORKDIR:-$REPO/runs/kv_retrieval}"
+        PREPARE_MEMORY=() TRAIN_MEMORY=() ;;
+    shared)
+        WORKDIR="${WORKDIR:-$REPO/runs/kv_retrieval_shared}"
+        # 128 documents of BATCH prompts (8 for validation); with veRL's sequential sampler (data.shuffle=false)
+        # and batches of BATCH prompts, step k trains on document k. One micro-batch holds the whole step
+        # (BATCH prompts x rollout.n = 8 responses), so LongStraw's prefix tree shares the document across groups.
+        PREPARE_MEMORY=(--shared-memory-block "$BATCH" --train-size $(( BATCH * 128 )) --val-size $(( BATCH * 8 )))
+        TRAIN_MEMORY=(data.shuffle=false
+            actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$(( BATCH * 8 ))
+            actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$(( BATCH * 8 ))) ;;
+    *) echo "MEMORY=$MEMORY: use per_prompt (a document per prompt) or shared (one per step's prompts)" >&2; exit 2 ;;
+esac
+
 say() { printf '\n==> %s\n' "$*"; }
 
 # DRY_RUN=1: print the setup/prepare/train commands instead of running them (tests).
@@ -36,7 +54,7 @@ run env VENV="$VENV" bash "$REPO/scripts/setup_cpu_env.sh"
 
 say "2/4 data, tokenizer, tiny Qwen3-Next model and supervised warm start ($WORKDIR)"
 run "$PY" "$RECIPE/prepare.py" --workdir "$WORKDIR" --num-pairs "$NUM_PAIRS" \
-    --warmup-steps "$WARMUP_STEPS" --warmup-time-budget "$WARMUP_SECONDS"
+    --warmup-steps "$WARMUP_STEPS" --warmup-time-budget "$WARMUP_SECONDS" "${PREPARE_MEMORY[@]}"
 
 CKPT_DIR="$WORKDIR/checkpoints"
 read -r STATE DONE_STEPS < <("$PY" "$RECIPE/summarize.py" state --workdir "$WORKDIR" --total-steps "$STEPS")
@@ -51,7 +69,7 @@ else
     if [[ "$STATE" == resume ]]; then
         say "3/4 GRPO: resuming from checkpoint global_step_$DONE_STEPS (of $STEPS), strategy=$STRATEGY"
     else
-        say "3/4 GRPO: $STEPS steps x $BATCH prompts x 8 responses, strategy=$STRATEGY"
+        say "3/4 GRPO: $STEPS steps x $BATCH prompts x 8 responses, strategy=$STRATEGY, memory=$MEMORY"
     fi
     echo "    full log: $WORKDIR/logs/train-$STAMP.log"
     export VLLM_CPU_OMP_THREADS_BIND=auto VLLM_TARGET_DEVICE=cpu
@@ -84,7 +102,7 @@ else
         actor_rollout_ref.actor.strategy="$STRATEGY" actor_rollout_ref.actor.optim.lr="$LR" \
         reward.custom_reward_function.path="$RECIPE/reward.py" \
         trainer.experiment_name="$STRATEGY" trainer.total_training_steps="$STEPS" \
-        trainer.save_freq="$SAVE_FREQ" trainer.default_local_dir="$CKPT_DIR" \
+        trainer.save_freq="$SAVE_FREQ" trainer.default_local_dir="$CKPT_DIR" "${TRAIN_MEMORY[@]}" \
         "$@" 2>&1 | "$PY" "$RECIPE/summarize.py" follow --log "$WORKDIR/logs/train-$STAMP.log" --total-steps "$STEPS"
     rc=${PIPESTATUS[0]}
     set -e

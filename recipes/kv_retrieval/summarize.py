@@ -8,6 +8,8 @@ Metrics come from veRL's ``file`` logger (one JSON object per step). veRL trunca
 that file when it opens it, so run.sh gives every attempt its own
 ``DIR/metrics/attempt-*.jsonl``; on a resumed run the later attempt wins for a step.
 The report names the machine next to the step time, and splits the step time into phases.
+Both the step lines and the report put the tokens LongStraw ran through the model next to what
+its star path (one plan per GRPO group) would have run: MEMORY=shared shows the document shared.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update
 ACTOR_PARTS = {"capture": "actor/longstraw/capture_seconds", "replay": "actor/longstraw/replay_seconds",
                "prompt backward": "actor/longstraw/prompt_backward_seconds"}
 ACC_KEYS = ("reward_extra_info/acc/mean", "reward/acc/mean", "critic/acc/mean")
+# tokens of a step's update_actor run through the model by capture, replay and recompute (prefix trees), and
+# what the star path (one plan per GRPO group, by uid) would run for the same walks
+TOKENS, STAR_TOKENS = "actor/longstraw/tokens_forwarded", "actor/longstraw/star_tokens_forwarded"
 STEP_RE = re.compile(r"\bstep:(\d+) - ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -35,6 +40,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def _num(line: str, key: str):
     m = re.search(re.escape(key) + r":(?:np\.float\d+\()?(-?[0-9.eE+-]+)", line)
     return float(m.group(1)) if m else None
+
+
+def _tokens_text(tokens: float, star: float) -> str:
+    """'tokens_forwarded 1234 (star 5678, 0.22x)': tokens per step against the star path's."""
+    return f"tokens_forwarded {tokens:.0f} (star {star:.0f}, {tokens / star:.2f}x)"
 
 
 def follow(log_path: str, total_steps: int | None) -> int:
@@ -55,10 +65,12 @@ def follow(log_path: str, total_steps: int | None) -> int:
                 rew, t = _num(line, REWARD), _num(line, "timing_s/step")
                 acc = next((v for v in (_num(line, k) for k in ACC_KEYS) if v is not None), None)
                 rl = _num(line, "response_length/mean")
+                tokens, star = _num(line, TOKENS), _num(line, STAR_TOKENS)
                 of = f"/{total_steps}" if total_steps else ""
                 parts = [f"[train] step {step}{of}", f"reward {rew:.3f}" if rew is not None else "",
                          f"exact {acc:.2f}" if acc is not None else "",
                          f"resp_len {rl:.1f}" if rl is not None else "",
+                         _tokens_text(tokens, star) if tokens is not None and star else "",
                          f"step {t:.0f}s" if t is not None else "", f"elapsed {time.time() - t0:.0f}s"]
                 print("  ".join(p for p in parts if p), flush=True)
             elif any(k in line for k in keep) and "Warning" not in line and "WARNING" not in line:
@@ -116,6 +128,17 @@ def phase_times(steps: dict[int, dict]) -> dict:
             "update_actor_seconds": parts, "shares": {name: s / step_s for name, s in {**phases, **parts}.items()}}
 
 
+def forwarded_tokens(steps: dict[int, dict]) -> dict[str, float]:
+    """Mean tokens per step LongStraw ran through the model (``tokens``), the star path's for the same walks
+    (``star_tokens``) and ``ratio`` = tokens / star_tokens, over the steps that logged both (the star path's
+    count above 0); {} when none did (STRATEGY=fsdp2)."""
+    rows = [r for r in steps.values() if TOKENS in r and r.get(STAR_TOKENS)]
+    if not rows:
+        return {}
+    tokens, star = _mean([r[TOKENS] for r in rows]), _mean([r[STAR_TOKENS] for r in rows])
+    return {"tokens": tokens, "star_tokens": star, "ratio": tokens / star}
+
+
 def _shares_line(time: dict) -> str:
     """'gen 9%, update_actor 72% (prompt backward 45%, ...), ...': phases of at least 0.5% of the step."""
     shares = time["shares"]
@@ -145,6 +168,8 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
     if any(a is not None for a in acc):  # only when the reward function logs an exact-match rate
         out.update(exact_start=_mean(acc[:w]), exact_end=_mean(acc[-w:]))
     out["time"] = phase_times(steps)
+    if tokens := forwarded_tokens(steps):
+        out["tokens_forwarded"] = tokens
     out["machine"] = machine()
     ckpt = os.path.join(workdir, "checkpoints", "latest_checkpointed_iteration.txt")
     if os.path.exists(ckpt):
@@ -183,6 +208,9 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
     print(f"[summary] machine     {describe(out['machine'])}", flush=True)
     first, last = t["steps"]
     print(f"[summary] step time   {t['step_seconds']:.1f}s (steps {first}..{last}): {_shares_line(t)}", flush=True)
+    if "tokens_forwarded" in out:
+        tokens = out["tokens_forwarded"]
+        print(f"[summary] per step    {_tokens_text(tokens['tokens'], tokens['star_tokens'])}", flush=True)
     print(f"[summary] reward      first {w} steps {out['reward_start']:.3f}  ->  last {w} steps "
           f"{out['reward_end']:.3f}", flush=True)
     if "exact_start" in out:

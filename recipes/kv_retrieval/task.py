@@ -5,6 +5,11 @@ a query key; the answer is that key's value (``value_len`` digits). Answering ne
 the whole prompt: the queried pair sits anywhere in it. Everything is generated
 locally from a seed; nothing is downloaded.
 
+Shared memory (``shared_memory_block`` N > 0): consecutive blocks of N prompts share one
+document (the same pairs in the same order; an agent's memory) and each asks a different
+key of it. The document comes first and the question last, so the prompts of a block share
+every token up to the queried key.
+
 Word-level vocabulary: one token per key, digit and marker, so a prompt of N pairs is
 about ``N * (1 + value_len)`` tokens.
 """
@@ -39,8 +44,9 @@ class TaskConfig:
     value_len: int = 3  # digits per value
     num_pairs: int = 400  # pairs per prompt (prompt ~ num_pairs * (1 + value_len) tokens)
     # Keys k0000..k{num_query_keys-1} are "query keys": each prompt holds exactly one of them,
-    # at a random position among distractor pairs, and asks for its value. 0 = the query is
-    # any key of the prompt (classic associative recall: far slower for a tiny model to learn).
+    # at a random position among distractor pairs, and asks for its value (shared memory: a
+    # document of N prompts holds N of them, one asked by each). 0 = the query is any key of
+    # the prompt (classic associative recall: far slower for a tiny model to learn).
     num_query_keys: int = 16
     seed: int = 0
 
@@ -56,29 +62,57 @@ def vocabulary(num_keys: int) -> list[str]:
     return SPECIAL + MARKERS + DIGITS + [key_token(i) for i in range(num_keys)]
 
 
-def make_example(rng: random.Random, cfg: TaskConfig, num_pairs: int | None = None) -> dict:
-    """One prompt: pairs, query, answer (all as space-separated word tokens)."""
+def make_document(rng: random.Random, cfg: TaskConfig, num_queries: int = 1,
+                  num_pairs: int | None = None) -> list[dict]:
+    """One document of ``num_pairs`` pairs and ``num_queries`` examples on it, each asking another key.
+
+    With query keys (``cfg.num_query_keys > 0``) the document holds exactly ``num_queries`` of
+    them, at random positions among distractor pairs, and example j asks the j-th placed; without,
+    the examples ask distinct random keys. Example: ``content`` (pairs, then ``query kXXXX``),
+    ``answer``, ``query_index`` (pair index of the queried key), ``num_pairs``.
+    """
     n = cfg.num_pairs if num_pairs is None else num_pairs
     nq = cfg.num_query_keys
+    if not 1 <= num_queries <= n:
+        raise ValueError(f"num_queries={num_queries} must be between 1 and the document's {n} pairs "
+                         "(shared memory: give at least as many pairs as prompts per document)")
     if nq > 0:
-        keys = rng.sample(range(nq, cfg.num_keys), n - 1)
-        q = rng.randrange(n)
-        keys.insert(q, rng.randrange(nq))
+        if num_queries > nq:
+            raise ValueError(f"num_queries={num_queries} exceeds num_query_keys={nq}: a document holds each "
+                             "query key once; raise --num-query-keys or lower the prompts per document")
+        keys = rng.sample(range(nq, cfg.num_keys), n - num_queries)
+        asked: list[int] = []
+        for placed in range(num_queries):
+            pos = rng.randrange(n - num_queries + placed + 1)
+            asked.append(rng.choice([k for k in range(nq) if k not in asked]))
+            keys.insert(pos, asked[-1])
+        queries = [keys.index(k) for k in asked]
     else:
         keys = rng.sample(range(cfg.num_keys), n)
-        q = rng.randrange(n)
+        queries = rng.sample(range(n), num_queries)
     values = [" ".join(rng.choice(DIGITS) for _ in range(cfg.value_len)) for _ in range(n)]
     body = " ".join(f"{key_token(k)} {v}" for k, v in zip(keys, values, strict=True))
-    content = f"{body} query {key_token(keys[q])}"
-    return {"content": content, "answer": values[q], "query_index": q, "num_pairs": n}
+    return [{"content": f"{body} query {key_token(keys[q])}", "answer": values[q], "query_index": q,
+             "num_pairs": n} for q in queries]
 
 
-def make_rows(cfg: TaskConfig, count: int, split: str, seed_offset: int = 0) -> list[dict]:
-    """Rows in veRL's RL dataset format (chat ``prompt``, ``reward_model.ground_truth``)."""
+def make_examples(rng: random.Random, cfg: TaskConfig, count: int, shared_memory_block: int = 0,
+                  num_pairs: int | None = None) -> list[dict]:
+    """``count`` examples (``make_document``); consecutive blocks of ``shared_memory_block`` share one
+    document (0: a document each). A ``count`` that is not a multiple of the block cuts the last block."""
+    examples: list[dict] = []
+    while len(examples) < count:
+        examples += make_document(rng, cfg, shared_memory_block or 1, num_pairs)
+    return examples[:count]
+
+
+def make_rows(cfg: TaskConfig, count: int, split: str, seed_offset: int = 0,
+              shared_memory_block: int = 0) -> list[dict]:
+    """Rows in veRL's RL dataset format (chat ``prompt``, ``reward_model.ground_truth``); rows
+    ``[b * N, (b + 1) * N)`` share one document when ``shared_memory_block`` is N > 0."""
     rng = random.Random(f"{cfg.seed}-{split}-{seed_offset}")
     rows = []
-    for i in range(count):
-        ex = make_example(rng, cfg)
+    for i, ex in enumerate(make_examples(rng, cfg, count, shared_memory_block)):
         rows.append(
             {
                 "data_source": DATA_SOURCE,
