@@ -387,11 +387,13 @@ class _Walk:
             out = run_segment(self.adapter, inputs, s.own_start, past, self._segment_scoring(s.index, targets),
                               self._sharding(step.split))
         outputs, grads = [], []
-        if self.exact:
-            state_grads = self.store.grads_for(s.index, s.row_start, s.row_end)
-            for layer_out, layer_grads in zip(out.states, state_grads, strict=True):
-                for value, grad in zip(layer_out, layer_grads, strict=True):
+        if self.exact or self.group is not None:  # detached under CP: zero gradients, so every rank runs one graph
+            # (a sharded mixer's collectives in backward run only where its outputs get a gradient)
+            state_grads = self.store.grads_for(s.index, s.row_start, s.row_end) if self.exact else None
+            for j, layer_out in enumerate(out.states):
+                for k, value in enumerate(layer_out):
                     if value.requires_grad:  # a zero gradient if none reached it: every rank runs the same graph
+                        grad = None if state_grads is None else state_grads[j][k]
                         outputs.append(value)
                         grads.append(torch.zeros_like(value) if grad is None else grad.to(value.device, value.dtype))
         value_grads = self.value_grads.pop(s.index, [None, None])

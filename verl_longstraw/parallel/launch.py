@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -28,6 +29,10 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict[str, str], queue) -> None:
     os.environ.update(env)
+    # the ranks share the machine's cores: more threads than cores makes each rank's OpenMP threads spin on cores
+    # another rank needs (a 2-rank tree walk on 2 cores: over 150 s with torch's default 2 threads each, under 1 s
+    # with one)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
@@ -49,7 +54,8 @@ def run_ranks(
     ``fn`` must be importable (a module-level function); its return value must pickle. Raises
     RuntimeError with every failing rank's traceback, or TimeoutError (all ranks killed) when
     the ranks have not all finished within ``timeout_s``. ``env`` is set in each rank before
-    the process group starts (e.g. ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    the process group starts (e.g. ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). Each rank takes cores / R torch threads
+    (at least one).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

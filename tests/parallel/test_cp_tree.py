@@ -1,0 +1,140 @@
+"""Prefix trees under context parallelism against the same trees in one process: every family on R = 2 and 3 gloo
+ranks (one spawned group per R), float64 models (float32 scoring and norms: bounds below), exact and detached,
+chunked and unchunked, response segments on and off; the trees hold a shared system prompt, shared scored response
+tokens, a row that extends another, identical rows and a lone row shorter than R (replayed at the root). Ranks
+given different trees raise on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl_longstraw import tree_backward, tree_log_probs
+from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
+
+CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chunk_size, response_chunk_size, mode
+# Float64 models still score in float32 (score.py) and transformers runs RMSNorm in float32, and a CP rank sums
+# its own rows' parameter gradients before the ranks' sums are added: float32 roundings in another order. So the
+# values are bounded by a few float32 ulps of their magnitude, the gradients by test_core_equivalence's bound.
+VALUE_ULPS = 8 * torch.finfo(torch.float32).eps
+GRAD_TOL = 2 * torch.finfo(torch.float32).eps
+
+
+def _tree(seed: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Rows and their first scored token: 2 groups x 3 responses after one system prompt, each group's responses
+    sharing their first 5 tokens; a per-turn row extending row 0; a copy of row 1 scored from a later token; a
+    lone 3-token row."""
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, VOCAB, (30,), generator=gen)
+    rows, starts = [], []
+    for _ in range(2):
+        prompt = torch.cat([system, torch.randint(0, VOCAB, (7,), generator=gen)])
+        shared = torch.randint(0, VOCAB, (5,), generator=gen)
+        for j in range(3):
+            rows.append(torch.cat([prompt, shared, torch.randint(0, VOCAB, (2 + j,), generator=gen)]))
+            starts.append(len(prompt))
+    rows.append(torch.cat([rows[0], torch.randint(0, VOCAB, (6,), generator=gen)]))
+    starts.append(len(rows[0]) + 2)
+    rows.append(rows[1].clone())
+    starts.append(starts[1] + 1)
+    rows.append(torch.randint(0, VOCAB, (3,), generator=gen))
+    starts.append(1)
+    return rows, starts
+
+
+def _loss(i: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    weights = torch.linspace(0.5, 1.5, len(lp), dtype=lp.dtype) * (i - 3.5)
+    return (weights * lp).sum() + 0.01 * ent.sum()
+
+
+def _run(model, rows, starts, config, group):
+    """(backward result, log-prob result, flat parameter gradient summed over the group)."""
+    chunk, response_chunk, mode = config
+    knobs = dict(chunk_size=chunk, response_chunk_size=response_chunk, cp_group=group)
+    model.zero_grad(set_to_none=True)
+    result = tree_backward(model, rows, starts, _loss, prompt_grad=mode, with_entropy=True, **knobs)
+    log_probs = tree_log_probs(model, rows, starts, return_entropy=True, **knobs)
+    grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
+                      for p in model.parameters()])
+    if group is not None:
+        dist.all_reduce(grad, group=group)
+    return result, log_probs, grad
+
+
+def _max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest difference of ``a`` from ``b``, relative to ``b``'s largest magnitude (at least 1)."""
+    scale = max(1.0, *(float(y.abs().max()) for y in b))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
+
+
+def _compare_worker(rank: int, world: int) -> list[dict]:
+    group = dist.new_group(list(range(world)))
+    out = []
+    for index, family in enumerate(FAMILIES):
+        model = tiny_model(family, torch.float64, seed=index)
+        rows, starts = _tree(index)
+        for config in CONFIGS:
+            result, log_probs, grad = _run(model, rows, starts, config, group)
+            record = {"case": (family, *config), "log_probs": result.log_probs, "losses": result.losses}
+            if rank == 0:
+                ref, ref_log_probs, ref_grad = _run(model, rows, starts, config, None)
+                record.update(
+                    log_prob_error=max(_max_error(result.log_probs, ref.log_probs),
+                                       _max_error(log_probs.log_probs, ref_log_probs.log_probs),
+                                       _max_error(log_probs.entropies, ref_log_probs.entropies)),
+                    loss_error=_max_error([result.losses], [ref.losses]),
+                    grad_error=float((grad - ref_grad).norm() / ref_grad.norm()),
+                )
+            out.append(record)
+            dist.barrier(group)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_trees_match_one_process(world):
+    results = run_ranks(_compare_worker, world, timeout_s=900)
+    for index, reference in enumerate(results[0]):
+        case = reference["case"]
+        assert reference["log_prob_error"] < VALUE_ULPS, (case, reference["log_prob_error"])
+        assert reference["loss_error"] < VALUE_ULPS, (case, reference["loss_error"])
+        assert reference["grad_error"] < GRAD_TOL, (case, reference["grad_error"])
+        for other in results[1:]:  # every rank ends with every row's values and losses
+            assert all(torch.equal(a, b) for a, b in zip(other[index]["log_probs"], reference["log_probs"],
+                                                         strict=True))
+            assert torch.equal(other[index]["losses"], reference["losses"])
+
+
+def _bad_input_worker(rank: int, world: int) -> list[str]:
+    group = dist.new_group(list(range(world)))
+    model = tiny_model("qwen3", torch.float32)
+    rows, starts = _tree(0)
+    messages = []
+
+    def expect_error(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+
+    other = [r.clone() for r in rows]
+    other[2][-1] = (other[2][-1] + rank) % VOCAB  # a different tree on each rank
+    expect_error(lambda: tree_log_probs(model, other, starts, cp_group=group))
+    expect_error(lambda: tree_log_probs(model, rows, [s + (rank == 1) for s in starts], cp_group=group))
+    expect_error(lambda: tree_log_probs(model, rows, starts, min_shared_tokens=4 + rank, cp_group=group))
+    expect_error(lambda: tree_log_probs(model, rows, starts, response_chunk_size=0 if rank else 4, cp_group=group))
+    expect_error(lambda: tree_log_probs(model, rows, starts, chunk_size=world - 1, cp_group=group))
+    return messages
+
+
+def test_cp_tree_bad_input_raises_on_every_rank():
+    results = run_ranks(_bad_input_worker, 3, timeout_s=300)
+    expected = ["different sequences", "different score_starts", "different min_shared_tokens",
+                "response_chunk_size", "chunk_size"]
+    for messages in results:
+        assert len(messages) == len(expected)
+        for message, fragment in zip(messages, expected, strict=True):
+            assert fragment in message, (fragment, message)
