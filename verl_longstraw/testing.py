@@ -211,3 +211,12 @@ def errors_against_exact(values: dict[str, torch.Tensor], standard: dict[str, to
                                  f"{tuple(tensor.shape)}; pass the same output of each path")
             errors[key] = float((path[name].double() - tensor.double()).norm()) / (norms[name] or max(norms.values()))
     return errors
+
+
+def value_error_message(fn: Callable[[], object]) -> str:
+    """The message of the ValueError ``fn()`` raises, or "no error" (bad-input tests run on every CP rank)."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.testing import value_error_message
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 
@@ -95,12 +96,7 @@ def _bad_input_worker(rank: int, world: int) -> list[str]:
     messages = []
 
     def expect_error(fn):
-        try:
-            fn()
-        except ValueError as exc:
-            messages.append(str(exc))
-        else:
-            messages.append("no error")
+        messages.append(value_error_message(fn))
 
     # ranks disagreeing on the prompt, on a response, on the chunk size
     other_prompt = prompt.clone()

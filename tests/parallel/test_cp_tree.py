@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from verl_longstraw import tree_backward, tree_log_probs
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.testing import value_error_message
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chunk_size, response_chunk_size, mode
@@ -113,12 +114,7 @@ def _bad_input_worker(rank: int, world: int) -> list[str]:
     messages = []
 
     def expect_error(fn):
-        try:
-            fn()
-        except ValueError as exc:
-            messages.append(str(exc))
-        else:
-            messages.append("no error")
+        messages.append(value_error_message(fn))
 
     other = [r.clone() for r in rows]
     other[2][-1] = (other[2][-1] + rank) % VOCAB  # a different tree on each rank
