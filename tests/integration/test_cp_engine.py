@@ -11,6 +11,9 @@ loaded by veRL's own model loading).
   groups split over the two replicas: the same parity. The 2-rank run trains with one replay per
   response (single_forward), the 4-rank run with the two-pass path.
 - The pre-flight check fails an oversized step on every rank before any capture.
+- Prefix trees on the 2 ranks (``TREE_CASES``): a system prompt shared across GRPO groups and branched rollouts
+  sharing scored response tokens, one replay per response and two passes, KL loss and entropy on: the same
+  log-probs and parameters as fsdp2, fewer tokens forwarded than the star path (one GRPO group at a time).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ CP = 2
 CHUNK = 16
 PROMPTS = (24, 48)  # prompt lengths drawn from [24, 48): 2-3 chunks of 16, split over the CP ranks
 SEED = 4  # a batch with a 34-token prompt: 33 captured = 16 + 16 + 1, the last token merged into the 2nd chunk
+# prefix trees on R = 2: (TREE_BATCHES batch, policy loss mode, single_forward: False takes two passes). Not
+# clip_cov/kl_cov: fsdp2's two ranks would pick the tokens they clip from their own halves of the rows
+TREE_CASES = (("system_prompt", "vanilla", True), ("system_prompt", "gspo", False), ("branched", "geo_mean", False),
+              ("branched", "cispo", True))
 
 
 def _batch(rank: int, world: int):
@@ -114,6 +121,30 @@ def _whole_prompt_state(model_dir: str, td) -> dict:
     }
 
 
+def _run_tree(strategy: str, batch: str, loss_mode: str, model_dir: str, rank: int, world: int, **knobs) -> dict:
+    """log-probs (compute_log_prob, padded), parameters after one update_actor step and (longstraw) the tokens
+    forwarded by this rank and by the star path, of one engine on a ``TREE_BATCHES`` batch: fsdp2 gets this
+    rank's half of the rows, longstraw (one CP group) all of them in one micro-batch."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_longstraw.integration import testing
+
+    shards = 1 if strategy == "longstraw" else world
+    td = testing.TREE_BATCHES[batch](seed=3, rank=rank if shards > 1 else 0, world_size=shards)
+    mbs = len(td)
+    cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, policy_loss={"loss_mode": loss_mode}, **knobs)
+    engine = testing.make_engine(strategy, model_dir, cfg, mbs)
+    out = testing.infer(engine, td.clone(), mbs)
+    _, params, metrics = testing.train_step(engine, td.clone(), cfg, mbs)
+    result = {"log_probs": no_padding_2_padding(out["model_output"]["log_probs"], td) * td["response_mask"],
+              "params": params}
+    if strategy == "longstraw":
+        result["tokens"] = {key: sum(metrics[f"longstraw/{key}"].values)
+                            for key in ("tokens_forwarded", "star_tokens_forwarded")}
+        result["single_forward"] = set(metrics["longstraw/single_forward"].values)
+    return result
+
+
 def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[str, ...], modes: tuple[str, ...]):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     fsdp_mbs = 12 // world  # the stock engine: 12 rows split over every rank, one micro-batch each
@@ -129,6 +160,13 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[s
             )
         if rank == 0:
             results[family, "whole_state"] = _whole_prompt_state(model_dirs[family], _batch(0, 1))
+    if world == CP:
+        for batch, loss_mode, single in TREE_CASES:
+            results[batch, loss_mode, "fsdp2"] = _run_tree("fsdp2", batch, loss_mode, model_dirs["qwen3"], rank, world)
+            results[batch, loss_mode, "longstraw"] = _run_tree(
+                "longstraw", batch, loss_mode, model_dirs["qwen3"], rank, world, context_parallel_size=CP,
+                min_shared_tokens=8, single_forward=single,
+            )
     return results
 
 
@@ -171,8 +209,14 @@ def _check_preflight(results: list[dict], families) -> None:
             assert "chunk_size" in message and "state_grad_on_host" in message, message
 
 
-def test_two_ranks_one_cp_group_match_fsdp2(saved_models):
-    results = run_ranks(_worker, 2, saved_models, FAMILIES, MODES, timeout_s=1200)
+@pytest.fixture(scope="module")
+def two_rank_results(saved_models) -> list[dict]:
+    """Every rank's results of one CP group of 2 ranks (stars and trees)."""
+    return run_ranks(_worker, 2, saved_models, FAMILIES, MODES, timeout_s=1200)
+
+
+def test_two_ranks_one_cp_group_match_fsdp2(two_rank_results):
+    results = two_rank_results
     _check_parity(results, 2, FAMILIES, MODES)
     _check_preflight(results, FAMILIES)
     for family in FAMILIES:
@@ -191,3 +235,25 @@ def test_two_cp_groups_by_two_replicas_match_fsdp2(saved_models):
     # the replicas got different rows of the batch
     first, second = (results[k][FAMILIES[0], MODES[0], "longstraw"]["log_probs"] for k in (0, 2))
     assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("case", TREE_CASES, ids=["-".join(map(str, c)) for c in TREE_CASES])
+def test_two_ranks_trees_match_fsdp2(two_rank_results, case):
+    """Prefix trees split over the CP group: fsdp2's log-probs (its two ranks' halves of the rows) and parameters
+    after the step, on every rank; the walk took the path asked for and forwarded fewer tokens than the star path
+    would have (the system prompt once, not once per group)."""
+    from verl_longstraw.integration import testing
+    from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
+
+    batch, loss_mode, single = case
+    stock = [r[batch, loss_mode, "fsdp2"] for r in two_rank_results]
+    tree = [r[batch, loss_mode, "longstraw"] for r in two_rank_results]
+    stock_lp = torch.cat([s["log_probs"] for s in stock])
+    for rank, result in enumerate(tree):
+        assert result["log_probs"].shape == stock_lp.shape
+        assert (result["log_probs"] - stock_lp).abs().max().item() <= 1e-5, rank
+        assert testing.rel_diff(result["params"], stock[0]["params"]) <= 1e-5, rank
+        assert result["single_forward"] == {float(single and loss_mode in PER_RESPONSE_POLICY_LOSSES)}
+        tokens = result["tokens"]
+        if batch == "system_prompt":
+            assert tokens["tokens_forwarded"] < tokens["star_tokens_forwarded"], tokens

@@ -13,89 +13,20 @@ from verl.workers.utils.padding import no_padding_2_padding
 from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
 from verl_longstraw.integration.regroup import prefix_trees
 from verl_longstraw.integration.testing import (
+    TREE_BATCHES,
     actor_config,
     infer,
     make_engine,
     rel_diff,
-    samples_batch,
     save_tiny_model,
     train_step,
 )
 from verl_longstraw.plan import tree_plan
-from verl_longstraw.tiny import VOCAB
 
 MIN_SHARED = 8  # longstraw.min_shared_tokens: shorter than the test prompts, so every case shares
 TOL = 1e-5  # fp32: log-probs and entropies (absolute), gradients and parameters after the step (relative)
 
 
-def _tokens(g: torch.Generator, low: int, high: int | None = None) -> torch.Tensor:
-    """[n] random token ids, n = ``low`` or drawn from [low, high)."""
-    n = low if high is None else int(torch.randint(low, high, (1,), generator=g))
-    return torch.randint(1, VOCAB, (n,), generator=g)
-
-
-def _masked(response: torch.Tensor, *positions: int) -> torch.Tensor:
-    """[T] response mask, 0 at ``positions`` (tool output: no loss term)."""
-    mask = torch.ones(len(response), dtype=torch.long)
-    mask[list(positions)] = 0
-    return mask
-
-
-def system_prompt_batch(seed: int, temperature: float = 1.0):
-    """4 GRPO groups x 4 responses; every prompt is one 48-token system prompt + a 4-11 token user prompt."""
-    g = torch.Generator().manual_seed(seed)
-    system = _tokens(g, 48)
-    prompts, responses, uids = [], [], []
-    for k in range(4):
-        prompt = torch.cat([system, _tokens(g, 4, 12)])
-        for _ in range(4):
-            prompts.append(prompt)
-            responses.append(_tokens(g, 2, 9))
-            uids.append(f"group-{k}")
-    return samples_batch(prompts, responses, uids, g, temperature)
-
-
-def multi_turn_batch(seed: int, temperature: float = 1.0):
-    """Per-turn samples of 2 trajectories x 3 turns, each sample its own uid: turn k's prompt is turn k-1's prompt +
-    response + a new user turn. Every response has tool tokens (mask 0) at positions 1 and 2; turn k's response is
-    scored in sample k and lies inside the segment it shares with samples k+1, k+2."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses, masks, uids = [], [], [], []
-    for t in range(2):
-        prompt = _tokens(g, 24)
-        for turn in range(3):
-            response = _tokens(g, 4, 8)
-            prompts.append(prompt)
-            responses.append(response)
-            masks.append(_masked(response, 1, 2))
-            uids.append(f"trajectory-{t}-turn-{turn}")
-            prompt = torch.cat([prompt, response, _tokens(g, 3, 6)])
-    return samples_batch(prompts, responses, uids, g, temperature, response_masks=masks)
-
-
-def branched_batch(seed: int, temperature: float = 1.0):
-    """2 GRPO groups x 5 branched rollouts of one prompt: a 5-token trunk scored by every row, two 3-token
-    branches, then tails; one row ends at the branch point, one repeats another. Tool tokens (mask 0) in the
-    shared trunk (one row) and the shared branch (another)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses, masks, uids = [], [], [], []
-    for k in range(2):
-        prompt, trunk = _tokens(g, 10), _tokens(g, 5)
-        branches = [torch.cat([trunk, _tokens(g, 3)]) for _ in range(2)]
-        tails = [torch.cat([branches[0], _tokens(g, 2, 6)]), torch.cat([branches[0], _tokens(g, 2, 6)]),
-                 torch.cat([branches[1], _tokens(g, 2, 6)])]
-        rows = [tails[0], tails[1], tails[2], tails[2], trunk]
-        row_masks = [_masked(tails[0], 1, 2), _masked(tails[1]), _masked(tails[2], 5), _masked(tails[2]),
-                     _masked(trunk)]
-        for response, mask in zip(rows, row_masks, strict=True):
-            prompts.append(prompt)
-            responses.append(response)
-            masks.append(mask)
-            uids.append(f"group-{k}")
-    return samples_batch(prompts, responses, uids, g, temperature, response_masks=masks)
-
-
-BATCHES = {"system_prompt": system_prompt_batch, "multi_turn": multi_turn_batch, "branched": branched_batch}
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +77,12 @@ def assert_walked(metrics: dict, td, knobs, modes: tuple[str, ...]) -> None:
     assert tokens < sum(p.tokens_forwarded(mode) for p in alone for mode in modes)
 
 
-@pytest.mark.parametrize("case", sorted(BATCHES))
+@pytest.mark.parametrize("case", sorted(TREE_BATCHES))
 def test_compute_log_prob_matches_fsdp2(engines, case):
     """Forward only: the same log-probs and entropies; each input position of a tree is run once (fewer tokens
     than the rows' own input positions)."""
     stock, longstraw = engines("qwen3")
-    td = BATCHES[case](seed=1, temperature=0.7)
+    td = TREE_BATCHES[case](seed=1, temperature=0.7)
     a = infer(stock, td.clone(), len(td))["model_output"]
     out = infer(longstraw, td.clone(), len(td))
     for key in ("log_probs", "entropy"):
@@ -164,7 +95,7 @@ def test_compute_log_prob_matches_fsdp2(engines, case):
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One update_actor step: the batch (``BATCHES``), veRL's policy loss and aggregation, the model family, the
+    """One update_actor step: the batch (``TREE_BATCHES``), veRL's policy loss and aggregation, the model family, the
     longstraw knobs, and the micro-batch size (None: the whole batch, one micro-batch)."""
 
     batch: str
@@ -208,7 +139,7 @@ def test_update_actor_matches_fsdp2(engines, name):
     plan's tokens and segments."""
     case = CASES[name]
     stock, longstraw = engines(case.family)
-    td = BATCHES[case.batch](seed=2)
+    td = TREE_BATCHES[case.batch](seed=2)
     mbs = case.micro_batch_size or len(td)
     cfg_s, cfg_l = (actor_config(s, case.agg, True, 0.01, mbs, policy_loss=case.policy_loss)
                     for s in ("fsdp2", "longstraw"))

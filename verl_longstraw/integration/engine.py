@@ -3,11 +3,12 @@
 Model building, FSDP2 wrapping, offload, checkpoints, the reference model and weight export
 are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differs:
 
-- the unit of work: in one process the micro-batch's rows form prefix trees (`regroup.prefix_trees`: one per
-  sampling temperature; the plan shares every prefix of at least `longstraw.min_shared_tokens` tokens, whatever
-  produced it: a GRPO group's prompt, a system prompt across groups, per-turn samples, branched rollouts), run by
-  `tree_log_probs` / `tree_backward`; under context parallelism the GRPO groups (`regroup.regroup`, by uid and
-  prompt), run by `group_log_probs` / `group_backward`.
+- the unit of work: the micro-batch's rows form prefix trees (`regroup.prefix_trees`: one per sampling
+  temperature; the plan shares every prefix of at least `longstraw.min_shared_tokens` tokens, whatever produced
+  it: a GRPO group's prompt, a system prompt across groups, per-turn samples, branched rollouts), run by
+  `tree_log_probs` / `tree_backward`, under context parallelism by the R ranks of the CP group together. (The
+  GRPO groups by uid and prompt, `regroup.regroup`, are what the pre-flight estimate sizes; run as stars by
+  `group_log_probs` / `group_backward`, they are the baseline `longstraw/star_tokens_forwarded` counts.)
 - forward (log-probs): one log-prob walk per unit, returned as veRL's nested `log_probs`/`entropy` over
   prompt + response.
 - training, one replay per response (`longstraw.single_forward`, when veRL's loss splits into
@@ -18,9 +19,11 @@ are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differ
   veRL's own loss function (e.g. `ppo_loss` with the global normalisers) on no-grad log-probs, take its
   gradient with respect to every token's log-prob/entropy, and backpropagate that through a backward walk
   per unit. By the chain rule this is the gradient of veRL's loss for any policy loss and `loss_agg_mode`;
-  the cost is one extra forward per response (and per shared segment of a tree). A GRPO group's prompt (CP) is
-  captured once per step: the log-prob pass keeps the state (`capture_prompt`) and the backward reuses it, so
-  the states of one micro-batch's groups are alive together between the two passes.
+  the cost is one extra forward per response and per shared segment of a tree (the backward walk captures
+  again what the log-prob walk captured: only one root-to-leaf path's state is ever held). Star units (a
+  ``_units`` override) capture a prompt once per step instead: the log-prob pass keeps the state
+  (`capture_prompt`) and the backward reuses it, so the states of one micro-batch's groups are alive together
+  between the two passes.
 
 With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
 FSDP2 sharding over the CP group (CP groups are replicas: HSDP). veRL dispatches by the data-parallel
@@ -225,9 +228,9 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return total
 
     def _units(self, micro_batches: list[TensorDict], fragments: list[list[Fragment]]) -> list[list[Unit]]:
-        """Each micro-batch's units of work: its GRPO groups (``fragments``, ``regroup``) under context
-        parallelism, else its prefix trees (``prefix_trees``)."""
-        return fragments if self.cp_mesh is not None else [prefix_trees(mb) for mb in micro_batches]
+        """Each micro-batch's units of work: its prefix trees (``prefix_trees``). ``fragments`` (its GRPO groups,
+        ``regroup``) serve an override that runs the star path instead (``benchmarks/bench_tree.py``'s baseline)."""
+        return [prefix_trees(mb) for mb in micro_batches]
 
     @functools.cached_property
     def _unit_counts(self) -> ParameterCounts:
@@ -292,8 +295,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         )
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, units: list[Unit]):
-        """Log-probs (and entropy) of one micro-batch (on the device, its ``units``: ``prefix_trees(micro_batch)``
-        in one process, ``regroup(micro_batch)`` under CP), its loss, and, when training, its gradient.
+        """Log-probs (and entropy) of one micro-batch (on the device, its ``units``: ``prefix_trees(micro_batch)``),
+        its loss, and, when training, its gradient.
 
         Training takes one of two paths, reported as ``longstraw/single_forward`` (1 or 0): one replay per
         response that backpropagates the response's own loss term (``longstraw.single_forward`` and a loss
@@ -397,7 +400,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 self.module, unit.sequences, unit.score_starts, temperature=unit.temperature,
                 chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
                 min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
-                replay_tokens=knobs.replay_tokens,
+                replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
             )
         return group_log_probs(
             self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature, chunk_size=knobs.chunk_size,
@@ -430,7 +433,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     temperature=unit.temperature, chunk_size=knobs.chunk_size,
                     response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
                     with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
-                    replay_tokens=knobs.replay_tokens,
+                    replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
                 )
             return group_backward(
                 self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,

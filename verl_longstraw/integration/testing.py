@@ -209,6 +209,77 @@ def samples_batch(
     return td
 
 
+def _tokens(g: torch.Generator, low: int, high: int | None = None) -> torch.Tensor:
+    """[n] random token ids, n = ``low`` or drawn from [low, high)."""
+    n = low if high is None else int(torch.randint(low, high, (1,), generator=g))
+    return torch.randint(1, VOCAB, (n,), generator=g)
+
+
+def _masked(response: torch.Tensor, *positions: int) -> torch.Tensor:
+    """[T] response mask, 0 at ``positions`` (tool output: no loss term)."""
+    mask = torch.ones(len(response), dtype=torch.long)
+    mask[list(positions)] = 0
+    return mask
+
+
+def system_prompt_batch(seed: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
+    """4 GRPO groups x 4 responses; every prompt is one 48-token system prompt + a 4-11 token user prompt."""
+    g = torch.Generator().manual_seed(seed)
+    system = _tokens(g, 48)
+    prompts, responses, uids = [], [], []
+    for k in range(4):
+        prompt = torch.cat([system, _tokens(g, 4, 12)])
+        for _ in range(4):
+            prompts.append(prompt)
+            responses.append(_tokens(g, 2, 9))
+            uids.append(f"group-{k}")
+    return samples_batch(prompts, responses, uids, g, temperature, rank, world_size)
+
+
+def multi_turn_batch(seed: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
+    """Per-turn samples of 2 trajectories x 3 turns, each sample its own uid: turn k's prompt is turn k-1's prompt +
+    response + a new user turn. Every response has tool tokens (mask 0) at positions 1 and 2; turn k's response is
+    scored in sample k and lies inside the segment it shares with samples k+1, k+2."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, masks, uids = [], [], [], []
+    for t in range(2):
+        prompt = _tokens(g, 24)
+        for turn in range(3):
+            response = _tokens(g, 4, 8)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(_masked(response, 1, 2))
+            uids.append(f"trajectory-{t}-turn-{turn}")
+            prompt = torch.cat([prompt, response, _tokens(g, 3, 6)])
+    return samples_batch(prompts, responses, uids, g, temperature, rank, world_size, masks)
+
+
+def branched_batch(seed: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
+    """2 GRPO groups x 5 branched rollouts of one prompt: a 5-token trunk scored by every row, two 3-token
+    branches, then tails; one row ends at the branch point, one repeats another. Tool tokens (mask 0) in the
+    shared trunk (one row) and the shared branch (another)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, masks, uids = [], [], [], []
+    for k in range(2):
+        prompt, trunk = _tokens(g, 10), _tokens(g, 5)
+        branches = [torch.cat([trunk, _tokens(g, 3)]) for _ in range(2)]
+        tails = [torch.cat([branches[0], _tokens(g, 2, 6)]), torch.cat([branches[0], _tokens(g, 2, 6)]),
+                 torch.cat([branches[1], _tokens(g, 2, 6)])]
+        rows = [tails[0], tails[1], tails[2], tails[2], trunk]
+        row_masks = [_masked(tails[0], 1, 2), _masked(tails[1]), _masked(tails[2], 5), _masked(tails[2]),
+                     _masked(trunk)]
+        for response, mask in zip(rows, row_masks, strict=True):
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(mask)
+            uids.append(f"group-{k}")
+    return samples_batch(prompts, responses, uids, g, temperature, rank, world_size, masks)
+
+
+# batches whose rows share more than a GRPO prompt (this rank's slice, as ``samples_batch``)
+TREE_BATCHES = {"system_prompt": system_prompt_batch, "multi_turn": multi_turn_batch, "branched": branched_batch}
+
+
 def infer(engine, td, micro_batch_size: int) -> dict:
     """veRL's compute_log_prob call (log-probs and entropy, no loss): the engine's whole output
     (``model_output``, ``metrics``)."""
