@@ -23,13 +23,14 @@ import torch.distributed as dist
 import transformers
 
 import verl_longstraw.execute as execute
-from verl_longstraw import GroupStats, capture_prompt, group_backward
-from verl_longstraw.estimate import check_budget, estimate_memory
+from verl_longstraw import GroupStats, capture_prompt, group_backward, tree_backward
+from verl_longstraw.errors import UnsupportedModelError
+from verl_longstraw.estimate import check_budget, estimate_memory, estimate_plan, state_specs
 from verl_longstraw.memory import AllocationMeter, parameter_meter
 from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
 from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.plan import star_plan
+from verl_longstraw.plan import REPLAY_TOKENS, star_plan, tree_plan
 from verl_longstraw.state import PathState
 from verl_longstraw.testing import make_group, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_config, tiny_model
@@ -53,21 +54,7 @@ def test_estimate_matches_meter(family, record_property):
         record_property(f"ratio_{dtype}_{chunk_size}_{mode}", ratio)
         assert estimate.state_bytes == stats.prompt_state_bytes
         assert 0.8 <= ratio <= 1.2, (dtype, chunk_size, mode, ratio)
-        assert estimate.state_grad_bytes == (_state_grad_bytes(model, prompt, chunk_size) if mode == "exact" else 0)
-
-
-def _state_grad_bytes(model, prompt, chunk_size) -> int:
-    """Bytes of the float32 (or wider) gradient sums of the captured state's differentiable tensors (the state
-    after the prompt's last chunk)."""
-    state = capture_prompt(model, prompt, chunk_size, for_backward=True)
-    store = state.store
-    current = store.read(max(state.captured), store.capacity)
-    return sum(
-        t.numel() * torch.promote_types(t.dtype, torch.float32).itemsize
-        for kinds, layer in zip(store.kinds, current, strict=True)
-        for kind, t in zip(kinds, layer, strict=True)
-        if kind.differentiable
-    )
+        assert estimate.state_grad_bytes == stats.state_grad_device_bytes  # 0 in detached mode
 
 
 SHARED_INDEXER = ["full", "shared", "shared"]
@@ -121,29 +108,30 @@ CP_BUDGET_PROMPT_LEN, CP_BUDGET_CHUNK = 257, 64
 
 @contextmanager
 def state_leaf_grad_meter() -> Iterator[list[int]]:
-    """Bytes of the gradients each replayed response's backward leaves on the state leaves (one entry per replay
-    step: one response per rank under CP), read where the walk adds them into the float32 sums
-    (``PathState.add_grads`` inside ``execute._Walk._replay``; a recompute's are not counted)."""
-    replay, add_grads, sizes, replaying = execute._Walk._replay, PathState.add_grads, [], []
+    """Bytes of the gradients one layer's backward hands its state leaves while a response replays (one entry per
+    replay step and layer: one response per rank under CP), read where each leaf adds its gradient into the float32
+    sums (``PathState._add_grad``, called from the leaves' post-accumulate-grad hooks inside
+    ``execute._Walk._replay``; a recompute's are not counted)."""
+    replay, add_grad, sizes, replaying = execute._Walk._replay, PathState._add_grad, [], []
 
     def metered_replay(self, step):
-        replaying.append(step)
+        replaying.append({})
         try:
             return replay(self, step)
         finally:
-            replaying.pop()
+            sizes.extend(replaying.pop().values())
 
-    def metered_add_grads(self, leaves, parent, row_end):
-        if replaying and leaves is not None:
-            sizes.append(sum(t.grad.untyped_storage().nbytes() for layer in leaves for t in layer
-                             if t.grad is not None))
-        return add_grads(self, leaves, parent, row_end)
+    def metered_add_grad(self, layer, j, parent, row_end, leaf):
+        if replaying:
+            per_layer = replaying[-1]
+            per_layer[layer] = per_layer.get(layer, 0) + leaf.grad.untyped_storage().nbytes()
+        return add_grad(self, layer, j, parent, row_end, leaf)
 
-    execute._Walk._replay, PathState.add_grads = metered_replay, metered_add_grads
+    execute._Walk._replay, PathState._add_grad = metered_replay, metered_add_grad
     try:
         yield sizes
     finally:
-        execute._Walk._replay, PathState.add_grads = replay, add_grads
+        execute._Walk._replay, PathState._add_grad = replay, add_grad
 
 
 def _cp_measure(rank: int, world: int) -> dict:
@@ -324,3 +312,50 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
     mla = estimate_memory(tiny_config("deepseek_v3"), prompt_len, 8, response_len, chunk, "exact", torch.bfloat16,
                           cp_size=cp_size)
     assert mla.replay_backward_transient_bytes == mla.prompt_backward_transient_bytes == 0
+
+
+def _agent_tree(seed: int = 0) -> tuple[list[torch.Tensor], list[int]]:
+    """Rows of a prefix tree: 2 groups x 3 responses after one 600-token system prompt + a 40-token group prompt,
+    each group's responses sharing a scored 24-token prefix; a per-turn row extending row 0 by 200 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, VOCAB, (600,), generator=gen)
+    rows, starts = [], []
+    for _ in range(2):
+        prompt = torch.cat([system, torch.randint(0, VOCAB, (40,), generator=gen)])
+        shared = torch.randint(0, VOCAB, (24,), generator=gen)
+        for _ in range(3):
+            rows.append(torch.cat([prompt, shared, torch.randint(0, VOCAB, (RESPONSE_LEN,), generator=gen)]))
+            starts.append(len(prompt))
+    rows.append(torch.cat([rows[0], torch.randint(0, VOCAB, (200,), generator=gen)]))
+    starts.append(len(rows[0]) + 8)
+    return rows, starts
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5"))
+def test_estimate_of_a_tree_matches_meter(family, record_property):
+    """The estimate of a prefix tree's plan (``estimate_plan``: chunked, response segments, exact): the path state
+    and its gradient sums the walk held at their largest exactly, the saved-for-backward peak within 20 %."""
+    model = tiny_model(family)
+    rows, starts = _agent_tree()
+    knobs = dict(chunk_size=256, response_chunk_size=64, min_shared_tokens=16)
+    plan = tree_plan(rows, starts, knobs["chunk_size"], knobs["response_chunk_size"], knobs["min_shared_tokens"],
+                     REPLAY_TOKENS)
+    assert len(plan.captured) > 4 and max(len(plan.path(i)) for i in range(len(plan.segments))) >= 4
+    stats = GroupStats()
+    with parameter_meter(model) as meter:
+        tree_backward(model, rows, starts, weighted_loss, "exact", stats=stats, **knobs)
+    estimate = estimate_plan(model.config, plan, "exact", torch.float32, device_type="cpu")
+    ratio = estimate.saved_peak_bytes / meter.peak
+    record_property("ratio", ratio)
+    assert estimate.state_bytes == stats.prompt_state_bytes
+    assert estimate.state_grad_bytes == stats.state_grad_device_bytes
+    assert 0.8 <= ratio <= 1.2, ratio
+
+
+def test_unknown_layer_type_is_an_error_naming_it():
+    """A layer type of config.layer_types the estimate does not account for is an error naming it (never counted
+    as another kind)."""
+    specs = state_specs(tiny_config("qwen3"))
+    config = tiny_config("qwen3", layer_types=["full_attention"] * (len(specs) - 1) + ["chunked_attention"])
+    with pytest.raises(UnsupportedModelError, match=r"layer type\(s\) \['chunked_attention'\] of config.layer_types"):
+        estimate_memory(config, 64, 2, 8, None, "exact", torch.float32, specs=specs)

@@ -128,11 +128,11 @@ def test_bfloat16_matches_float32_standard(family, record_property):
 
 def test_state_gradients_accumulate_in_float32():
     """Summing many small bf16 state gradients: a bf16 sum stalls at 1.0 (spacing 2**-7), the fp32 sum does not."""
-    leaf = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)  # 4 rows of one Rows kind
     store = PathState([(Rows((1, 2, 1, 8)),)], capacity=4)
+    store.write(0, 0, [(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16),)])  # 4 rows of one Rows kind
     for step in range(101):
+        [(leaf,)] = store.leaves(0, 4, requires_grad=True)
         (leaf * (1.0 if step == 0 else 1e-3)).sum().backward()
-        store.add_grads([(leaf,)], parent=0, row_end=4)
     sums = store.grads_for(0, 0, 4)[0][0]
     assert leaf.grad is None and sums.dtype == torch.float32
     torch.testing.assert_close(sums, torch.full_like(sums, 1.1), rtol=1e-3, atol=0)

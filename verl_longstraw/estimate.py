@@ -1,21 +1,23 @@
-"""Pre-flight memory estimate for one GRPO group on one rank, from a transformers config alone.
+"""Pre-flight memory estimate of one walk on one rank, from a transformers config and the walk's plan alone.
 
-``estimate_memory`` predicts, in bytes, for rank ``rank`` of a context-parallel (CP) group of
-``cp_size`` ranks (1: one process), whose rows come from the layout the core uses
-(``plan.star_plan``: every chunk split over the R ranks):
+``estimate_plan`` reads a plan (``plan.star_plan``, ``plan.tree_plan``: the plan the core runs, on its rank of a
+context-parallel (CP) group) and predicts, in bytes; ``estimate_memory`` is its GRPO-group case (a star of a
+``prompt_len``-token prompt and ``group_size`` responses, for rank ``rank`` of ``cp_size`` ranks, 1: one
+process):
 - ``state_bytes``: the rank's prompt state, what ``PromptState.nbytes`` measures (exact: it sums
   the adapter's own ``state_kinds``, read from a model built on the meta device, so estimate and
-  state share one layout): ``Rows`` tensors for the rank's rows (about (P - 1) / R), the replicated
-  fixed-size tensors and, in exact mode, their copies kept at every chunk boundary
-  (``boundary_bytes``);
+  state share one layout): ``Rows`` tensors for the rank's rows of the longest path (``Plan.capacity``; a star:
+  about (P - 1) / R), the replicated fixed-size tensors of every segment held at once (``Plan.held``; in exact
+  mode a star's every chunk boundary: ``boundary_bytes``);
 - ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held in
-  exact mode, on the device or (``state_grad_on_host``) in host memory; ``state_leaf_grad_bytes``:
-  the gradients in the model's dtype that one response's backward hands the state leaves before
-  they are added into the sums (exact);
+  exact mode (the fixed-size ones of every segment whose sums are held at once), on the device or
+  (``state_grad_on_host``) in host memory; ``state_leaf_grad_bytes``:
+  the gradients in the model's dtype that one layer's backward hands its state leaves before they are added
+  into the sums (exact; ``PathState.leaves`` adds each as it is produced, so the largest layer's);
 - ``saved_peak_bytes``: the peak of tensors saved for backward (what ``SavedTensorMeter``
-  counts), the larger of the replay phase (a batch of k responses of T tokens after the rank's rows, k from
-  the replay budget ``replay_tokens``; one response under CP) and,
-  in exact mode, the prompt backward (the last chunks, whose prefix is longest). Under CP both
+  counts), the larger of the largest replay step (a batch of k leaves after their parent's rows, k from the
+  replay budget ``replay_tokens``; one leaf per rank under CP) and the largest recompute step (exact mode, and
+  detached segments that score tokens: a captured segment after its prefix). Under CP both
   include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
   chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
   Gated DeltaNet chunks the affine merge's summary run.
@@ -38,6 +40,7 @@ term; it does not grow with P). ``check_budget`` turns the estimate into an earl
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,7 +53,7 @@ from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.fused_attention import fused_backward_transient_bytes
 from .parallel.attention import sharded_fused_backward_transient_bytes
-from .plan import REPLAY_TOKENS, star_plan
+from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
 from .state import StateKind
 
@@ -96,9 +99,10 @@ class MemoryEstimate:
     """
 
     state_bytes: int  # prompt state on this rank, ``boundary_bytes`` included
-    boundary_bytes: int  # exact mode: the fixed-size state kept at every chunk start but the last
+    boundary_bytes: int  # the fixed-size state of the held segments but one (exact mode: every chunk start but the
+    # first's: a star's chunk boundaries)
     state_grad_bytes: int  # exact mode: float32 sums of the state gradients (on the host with ``state_grad_on_host``)
-    state_leaf_grad_bytes: int  # exact mode: the gradients one response's backward leaves on the state (model dtype)
+    state_leaf_grad_bytes: int  # exact mode: the gradients one layer's backward hands its state (model dtype)
     replay_saved_bytes: int  # saved for backward while a batch of ``replay_batch`` responses replays (pass-Q incl.)
     prompt_backward_saved_bytes: int  # saved for backward while a chunk recomputes (pass-Q included)
     pass_q_bytes: int  # of the larger of the two: the gathered queries, partial outputs and log-sum-exps (CP)
@@ -106,11 +110,11 @@ class MemoryEstimate:
     # replay's scoring (``score.score``: logits, float32 log-softmax and exp)
     replay_backward_transient_bytes: int  # one fused attention layer's backward while a replay backpropagates
     prompt_backward_transient_bytes: int  # the same while a recomputed prompt chunk backpropagates (exact mode)
-    prompt_len: int  # the settings it was computed for
-    chunk_size: int | None
+    chunk_tokens: int  # the longest captured segment's tokens (all ranks; a star's prompt chunk)
     cp_size: int
     state_grad_on_host: bool
     replay_batch: int = 1  # responses per replay forward (k)
+    detached_total_bytes: int = 0  # ``total_bytes`` of the same walk in detached mode (its own in detached mode)
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -461,76 +465,93 @@ def estimate_memory(
     (``transient_bytes``; CUDA's flash kernels expand grouped K/V gradients and accumulate dq in float32, the CPU
     kernel computes half inputs in float32).
     """
-    return _estimate(config, prompt_len, group_size, response_len, chunk_size, prompt_grad, dtype, specs, cp_size,
-                     state_grad_on_host, rank, checkpointed=checkpointed, replay_tokens=replay_tokens,
-                     device_type=device_type)
-
-
-def _estimate(
-    config,
-    prompt_len: int,
-    group_size: int,
-    response_len: int,
-    chunk_size: int | None,
-    prompt_grad: str,
-    dtype: torch.dtype,
-    specs: list[tuple[StateKind, ...]] | None,
-    cp_size: int,
-    state_grad_on_host: bool,
-    rank: int,
-    checkpointed: bool,
-    replay_tokens: int,
-    device_type: str,
-) -> MemoryEstimate:
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
+    plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
+    return estimate_plan(config, plan, prompt_grad, dtype, specs, state_grad_on_host, checkpointed, device_type)
+
+
+def estimate_plan(
+    config,
+    plan: Plan,
+    mode: str = "exact",
+    dtype: torch.dtype = torch.bfloat16,
+    specs: list[tuple[StateKind, ...]] | None = None,
+    state_grad_on_host: bool = False,
+    checkpointed: bool = False,
+    device_type: str = "cuda",
+) -> MemoryEstimate:
+    """Predicted memory of a training walk of ``plan`` (a star, a chain, a prefix tree: ``plan.star_plan``,
+    ``plan.tree_plan``) computing ``mode`` ("exact" or "detached") on its rank (``plan.rank`` of ``plan.world``).
+
+    Every figure is read off the plan's own steps (``Plan.steps``): the state of the segments held at once
+    (``Plan.held``: a ``Rows`` buffer of ``plan.capacity`` rows and each held segment's fixed-size state) and
+    their gradient sums, the saved-for-backward peak of the largest replay (a batch of leaves after their
+    parent's rows) and of the largest recompute (a captured segment after its prefix), and the transients of
+    those steps and of the captures. ``dtype`` ... ``device_type``: as ``estimate_memory``.
+    """
+    if mode not in ("exact", "detached"):
+        raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     specs = specs if specs is not None else state_specs(config)
-    shapes = _Shapes(config, dtype, specs, cp_size, device_type)
-    exact = prompt_grad == "exact"
-    plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
-    chain = plan.captured
-    chunks = len(chain)
-    rows = plan.capacity if chunks else 0
-
-    tensors = [s for layer in specs for s in layer]
-    fixed = sum(s.nbytes(0, dtype) for s in tensors) if chunks else 0  # what does not grow with the rows
-    boundaries = fixed * (chunks - 1) if exact and chunks else 0  # every chunk's start state but the first
-    state = sum(s.nbytes(rows, dtype) - s.nbytes(0, dtype) for s in tensors) + fixed + boundaries
+    shapes = _Shapes(config, dtype, specs, plan.world, device_type)
+    local = _Shapes(config, dtype, specs, 1, device_type) if plan.world > 1 else shapes  # rounds after no state
+    rank, rows = plan.rank, plan.capacity
+    states_held, grads_held = plan.held(mode)
+    fixed = sum(s.nbytes(0, dtype) for layer in specs for s in layer)  # what does not grow with the rows
+    growing = sum(s.nbytes(rows, dtype) - s.nbytes(0, dtype) for layer in specs for s in layer)
+    state = growing + fixed * states_held if states_held else 0
+    boundaries = fixed * (states_held - 1) if states_held else 0
     state_grad = leaf_grad = 0
-    if exact and rows:
+    if mode == "exact" and grads_held:
         grad_dtype = torch.promote_types(dtype, torch.float32)
-        state_grad = sum(s.nbytes(rows, grad_dtype) for s in tensors if s.differentiable)
-        leaf_grad = sum(s.nbytes(rows, dtype) for s in tensors if s.differentiable)
+        differentiable = [s for layer in specs for s in layer if s.differentiable]
+        state_grad = sum(s.nbytes(rows, grad_dtype) + (grads_held - 1) * s.nbytes(0, grad_dtype)
+                         for s in differentiable)
+        leaf_grad = max(sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs)
 
-    real = min(group_size, cp_size)  # the first round: a response on each of min(G, R) ranks, 1-token dummies after
-    replay_queries = real * response_len + (cp_size - real)
-    batch = max(1, min(group_size, replay_tokens // response_len)) if cp_size == 1 else 1  # ``replay_batches``
-    replay, replay_pass_q = shapes.saved(
-        response_len, replay_queries, rows, rows, last_layer_stops=False, consecutive=False, checkpointed=checkpointed,
-        batch=batch,
-    )
-    replay += batch * response_len * config.hidden_size * shapes.act  # the final hidden states ``score`` saves
-    replay_transient = shapes.fused_backward_transient(batch, response_len, rows, [response_len] * real
-                                                       + [1] * (cp_size - real), rank, consecutive=False)
-    score_block = max(score_transient_bytes(config.vocab_size, batch * response_len),
-                      shapes.pass_q_score_block(replay_queries, rows + response_len))
-    if chunks:  # capture (and recompute) of the largest chunk: its tokens of all ranks against this rank's rows
-        score_block = max(score_block, shapes.pass_q_score_block(max(plan.segments[k].length for k in chain), rows))
-    backward = backward_pass_q = backward_transient = 0
-    if exact and chunks:
-        # the last chunk has the longest prefix; when it is short, the one before is larger
-        for k in chain[max(chunks - 2, 0):]:
-            sizes, prefix = plan.rank_tokens(k), plan.rank_prefix_rows(k)[rank]
-            saved, pass_q = shapes.saved(
-                sizes[rank], plan.segments[k].length, prefix, rows, last_layer_stops=True, consecutive=True,
-                checkpointed=checkpointed,
-            )
+    hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves
+    replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
+    batch_most = 1
+    for step in plan.steps(mode):
+        if step.phase == "replay":
+            leaves = [plan.segments[i] for i in step.segments if i is not None]
+            tokens = max((leaf.length for leaf in leaves), default=1)  # a batch pads to its longest; a CP dummy: 1
+            batch = max(len(leaves), 1)
+            prefix = plan.rank_rows_after(step.parent)[rank]
+            sizes = step.split.query_sizes if step.split is not None else (tokens,) * batch
+            queries = sum(sizes)
+            alone = local if step.split is None or not any(step.split.prefix_sizes) else shapes
+            saved, pass_q = alone.saved(tokens, queries, prefix, rows, last_layer_stops=False, consecutive=False,
+                                        checkpointed=checkpointed, batch=batch)
+            saved += batch * tokens * hidden_bytes
+            if saved > replay:
+                replay, replay_pass_q = saved, pass_q
+            replay_transient = max(replay_transient, alone.fused_backward_transient(
+                batch, tokens, prefix, sizes if step.split is not None else [tokens], rank, consecutive=False))
+            score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens),
+                              alone.pass_q_score_block(queries, prefix + tokens))
+            batch_most = max(batch_most, batch)
+            continue
+        if step.phase not in ("capture", "recompute"):
+            continue
+        segment = plan.segments[step.segments[0]]
+        sizes, prefix = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)[rank]
+        own = sizes[rank if step.split is not None else 0]
+        # a capture (and recompute): its tokens of all ranks against this rank's rows
+        score_block = max(score_block, shapes.pass_q_score_block(segment.length, rows))
+        if segment.scored:
+            score_block = max(score_block, score_transient_bytes(config.vocab_size, own))
+        if step.phase == "recompute":
+            saved, pass_q = shapes.saved(own, segment.length, prefix, rows, last_layer_stops=not segment.scored,
+                                         consecutive=True, checkpointed=checkpointed)
+            saved += own * hidden_bytes if segment.scored else 0
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
             backward_transient = max(backward_transient, shapes.fused_backward_transient(
-                1, sizes[rank], prefix, sizes, rank, consecutive=True))
-    return MemoryEstimate(
+                1, own, prefix, sizes, rank, consecutive=True))
+    captured = [plan.segments[i].length for i in plan.captured]
+    estimate = MemoryEstimate(
         state_bytes=state,
         boundary_bytes=boundaries,
         state_grad_bytes=state_grad,
@@ -541,12 +562,14 @@ def _estimate(
         score_block_bytes=score_block,
         replay_backward_transient_bytes=replay_transient,
         prompt_backward_transient_bytes=backward_transient,
-        prompt_len=prompt_len,
-        chunk_size=chunk_size,
-        cp_size=cp_size,
+        chunk_tokens=max(captured, default=0),
+        cp_size=plan.world,
         state_grad_on_host=state_grad_on_host,
-        replay_batch=batch,
+        replay_batch=batch_most,
     )
+    detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, specs,
+                                                                 state_grad_on_host, checkpointed, device_type)
+    return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)
 
 
 def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
@@ -568,24 +591,24 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes)}: the float32 "
                      "state-gradient sums in host memory)")
     if e.state_grad_bytes:
-        detached = (e.state_bytes - e.boundary_bytes + e.replay_saved_bytes
-                    + max(e.score_block_bytes, e.replay_backward_transient_bytes))
-        knobs.append(f"prompt_grad='detached' ({saving(detached)}; biased: drops the gradient through the prompt)")
+        knobs.append(f"prompt_grad='detached' ({saving(e.detached_total_bytes)}; biased: drops the gradient through "
+                     "the prompt)")
     if e.replay_saved_bytes > e.prompt_backward_saved_bytes and e.replay_batch > 1:
         knobs.append(f"replay_tokens smaller (now {e.replay_batch} responses replay together and their replay, "
                      f"{gib(e.replay_saved_bytes)} saved for backward, is the peak; its share shrinks about in "
                      "proportion)")
     if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.cp_size > 1:
-        smaller = max(e.cp_size, min(e.chunk_size or e.prompt_len, e.prompt_len) // 4)
-        knobs.append(f"chunk_size={smaller} (now {e.chunk_size}; the prompt backward saves "
-                     f"{gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens by blocks)")
+        smaller = max(e.cp_size, e.chunk_tokens // 4)
+        knobs.append(f"chunk_size={smaller} (the longest captured chunk now has {e.chunk_tokens} tokens; the prompt "
+                     f"backward saves {gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens "
+                     "by blocks)")
     knobs.append(f"context-parallel size R={2 * e.cp_size} (a cp_group of {2 * e.cp_size} ranks, now {e.cp_size}: "
                  "each rank holds 1/R of the prompt's token rows and of their gradients)")
     raise MemoryError(
         f"estimated {gib(e.total_bytes)} > budget {gib(budget_bytes)} per rank (R={e.cp_size}): prompt state "
         f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
         f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
-        f"one backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
+        f"one layer's backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
         f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward) "
         f"{gib(e.transient_bytes)}. To fit: "
         + "; ".join(knobs) + "; or shorten the prompt"
@@ -744,7 +767,7 @@ def gpu_table(
          f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),
         ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
          e.device_state_grad_bytes, e.host_bytes),
-        ("state gradients one backward hands the state (model dtype)", e.state_leaf_grad_bytes, 0),
+        ("state gradients one layer's backward hands its state (model dtype)", e.state_leaf_grad_bytes, 0),
         ("largest transient: one attention layer's fused backward (key blocks, GQA expansion, float32 dq), "
          "pass-Q's float32 scores of one key block, or a scoring row chunk", e.transient_bytes, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "

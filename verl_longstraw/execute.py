@@ -9,14 +9,15 @@ layer's only positional argument is the hidden state: the state reaches it throu
 Gradient (modes "exact" and "detached"): a row's loss (``loss_fn(row, log_probs[, entropies])``) is evaluated
 once its last segment has run: its values from leaves replayed in the same step are live (that step's backward
 runs through them), the values from earlier segments are leaves whose gradient is added to those segments'
-float32 per-token sums. In exact mode the state a replay or recompute reads is a leaf too, and its ``.grad``
-goes into the path store's float32 sums (``state.PathState``); a segment's recompute then backpropagates its
-state's summed gradient plus its scored tokens' (and hands the gradient of its parent's state on). So the
+float32 per-token sums. In exact mode the state a replay or recompute reads is a leaf too, whose gradient goes
+into the path store's float32 sums as the backward produces it (``state.PathState.leaves``); a segment's
+recompute then backpropagates its state's summed gradient plus its scored tokens' (and hands the gradient of its
+parent's state on). So the
 gradient is the standard full-sequence one, each shared token scored once, and one path's state is held at a
 time. Detached mode reads the state as constants (the LongStraw paper's gradient), recomputing only segments
 that score tokens.
 
-Context parallel (``group``, star plans): every rank runs the same steps on its part (``Segment.own_*``,
+Context parallel (``group``): every rank runs the same steps on its part (``Segment.own_*``,
 ``Step.split``), the adapters' mixers attend and hand state across the ranks, and each replay round's values and
 losses are gathered so every rank ends with every row's.
 """
@@ -356,13 +357,7 @@ class _Walk:
             losses = [lps[0].sum() * 0 + (ents[0].sum() * 0 if self.with_entropy else 0)]
         torch.autograd.backward(losses)  # one backward for the batch
         self._add_value_grads(stand_ins)
-        if self.exact:
-            self.store.add_grads(past, step.parent, parent_rows)
-            held = self.store.grad_nbytes()
-            if self.store.on_host:
-                self.stats.state_grad_host_bytes = max(self.stats.state_grad_host_bytes, held)
-            else:
-                self.stats.state_grad_device_bytes = max(self.stats.state_grad_device_bytes, held)
+        self._note_state_grad_bytes()
 
     def _gather_values(self, step: Step, leaves: list[int], lps: list, ents: list) -> None:
         """Keep the step's leaves' values; under CP every rank's (no autograd)."""
@@ -410,8 +405,18 @@ class _Walk:
         if outputs:
             torch.autograd.backward(outputs, grads)
         self.stats.tokens_recomputed += s.own_end - s.own_start
-        if self.exact:
-            self.store.add_grads(past, step.parent, parent_rows)
+        self._note_state_grad_bytes()
+
+    def _note_state_grad_bytes(self) -> None:
+        """Record the gradient sums held after a backward (exact mode: the state leaves added their gradients into
+        the store's sums during it; a recompute's before its own sums are released)."""
+        if not self.exact:
+            return
+        held = self.store.grad_nbytes()
+        if self.store.on_host:
+            self.stats.state_grad_host_bytes = max(self.stats.state_grad_host_bytes, held)
+        else:
+            self.stats.state_grad_device_bytes = max(self.stats.state_grad_device_bytes, held)
 
 
 def step_start(plan: Plan, step: Step) -> int:

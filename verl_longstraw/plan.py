@@ -246,6 +246,24 @@ class Plan:
                     total += s.own_end - s.own_start
         return total
 
+    def held(self, mode: str) -> tuple[int, int]:
+        """(segments whose state is held at once, segments whose gradient sums are held at once), the most over a
+        walk of ``mode``: a segment's state from its capture to its release; in exact mode its gradient sums from
+        the first replay or recompute that continues it (and hands its state a gradient) to its release. What the
+        path store holds (``state.PathState``) at its largest, read by the estimate."""
+        states, sums, most_states, most_sums = set(), set(), 0, 0
+        for step in self.steps(mode):
+            if step.phase == "release":
+                states.discard(step.segments[0])
+                sums.discard(step.segments[0])
+                continue
+            if step.phase == "capture":
+                states.add(step.segments[0])
+            elif mode == "exact" and step.parent is not None:
+                sums.add(step.parent)
+            most_states, most_sums = max(most_states, len(states)), max(most_sums, len(sums))
+        return most_states, most_sums
+
     def rank_scored(self, index: int) -> tuple[int, ...]:
         """Every rank's scored positions of segment ``index`` (its part from ``score_from`` on)."""
         s = self.segments[index]

@@ -35,7 +35,8 @@ and FSDP averages the R parts, so the loss gradient is scaled by R (veRL's Ulyss
 same); veRL's loss already carries the data-parallel factor that the replica average divides out.
 
 Before the first capture of a step, a pre-flight check compares the estimate of the step's largest
-group (`verl_longstraw.estimate`) with `longstraw.memory_budget_gb` or the device's free memory.
+unit (`verl_longstraw.estimate.estimate_plan` of its plan) with `longstraw.memory_budget_gb` or the device's free
+memory.
 """
 
 import copy
@@ -72,12 +73,12 @@ from verl_longstraw.estimate import (
     ParameterCounts,
     check_budget,
     count_units,
-    estimate_memory,
+    estimate_plan,
     unsharded_bytes,
 )
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
-from verl_longstraw.plan import star_plan
+from verl_longstraw.plan import Plan, star_plan, tree_plan
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
 from .losses import splits_by_response
@@ -93,7 +94,7 @@ from .regroup import (
     scatter_response_values,
 )
 
-Unit = Fragment | Tree  # what one walk runs: a GRPO group (context parallel) or a prefix tree (one process)
+Unit = Fragment | Tree  # what one walk runs: a prefix tree, or a GRPO group where ``_units`` is overridden
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -178,9 +179,9 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
         )
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        fragments = [regroup(mb) for mb in micro_batches]  # GRPO groups: the pre-flight's shapes, CP's units
-        preflight = self._preflight(fragments, forward_only)
+        fragments = [regroup(mb) for mb in micro_batches]  # GRPO groups: the star path's units (the baseline)
         units = self._units(micro_batches, fragments)
+        preflight = self._preflight(units, forward_only)
         outputs = []
         star_tokens = [self._star_tokens_forwarded(groups, loss_function, forward_only) for groups in fragments]
         if self.cp_mesh is None:
@@ -220,12 +221,22 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         """Tokens the star path (one plan per GRPO group, ``regroup``) runs on this rank for the same walks: the
         baseline ``longstraw/tokens_forwarded`` is compared with (a two-pass step captures each prompt once)."""
         modes = self._walk_modes(loss_function, forward_only)
-        knobs, total = self.longstraw, 0
+        total = 0
         for frag in groups:
-            plan = star_plan(len(frag.prompt_ids), [len(r) for r in frag.responses], knobs.chunk_size,
-                             knobs.replay_tokens, self.cp_size, comm.group_rank(self.get_context_parallel_group()))
+            plan = self._unit_plan(frag)
             total += sum(plan.tokens_forwarded(mode) for mode in modes) - plan.captured_tokens * (len(modes) - 1)
         return total
+
+    def _unit_plan(self, unit: Unit) -> Plan:
+        """This rank's plan of one unit with the engine's knobs: a prefix tree's (``plan.tree_plan``, as
+        ``tree_backward`` builds it) or a GRPO group's star (``plan.star_plan``)."""
+        knobs, world = self.longstraw, self.cp_size
+        rank = comm.group_rank(self.get_context_parallel_group())
+        if isinstance(unit, Tree):
+            return tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
+                             knobs.min_shared_tokens, knobs.replay_tokens, world, rank)
+        return star_plan(len(unit.prompt_ids), [len(r) for r in unit.responses], knobs.chunk_size,
+                         knobs.replay_tokens, world, rank)
 
     def _units(self, micro_batches: list[TensorDict], fragments: list[list[Fragment]]) -> list[list[Unit]]:
         """Each micro-batch's units of work: its prefix trees (``prefix_trees``). ``fragments`` (its GRPO groups,
@@ -240,9 +251,9 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
-    def _preflight(self, fragments: list[list[Fragment]], forward_only: bool) -> int:
-        """Estimated device bytes of this rank's step: its largest group's (`estimate_memory`, crediting
-        veRL's gradient checkpointing when it is on) plus the parameters and gradients it holds
+    def _preflight(self, units: list[list[Unit]], forward_only: bool) -> int:
+        """Estimated device bytes of this rank's step: its largest unit's (`estimate_plan` of the unit's plan,
+        crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it holds
         unsharded (`estimate.unsharded_bytes`). With `longstraw.preflight`, MemoryError naming the knobs
         when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
@@ -251,8 +262,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                                         training=not forward_only)
         model_bytes = params + grads
         adapter = adapter_for(self.module)
-        groups = [(frag, self._estimate(adapter, frag, forward_only)) for mb in fragments for frag in mb]
-        frag, estimate = max(groups, key=lambda g: g[1].total_bytes, default=(None, None))
+        estimates = [(unit, self._estimate(adapter, unit, forward_only)) for mb in units for unit in mb]
+        unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
         total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
         if not self.longstraw.preflight:
             return total
@@ -266,12 +277,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 source = "longstraw.memory_budget_gb" if budget_gb is not None else "free device memory"
                 held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for a micro-batch at R = 1)"
                 message = (
-                    f"LongStraw pre-flight check, before any capture: the group of a {len(frag.prompt_ids)}-token "
-                    f"prompt and {len(frag.responses)} responses (longest {max(len(r) for r in frag.responses)} "
-                    f"tokens) does not fit the budget ({source}: {budget / GIB:.3g} GiB, of which "
+                    f"LongStraw pre-flight check, before any capture: {_describe(unit)} does not fit the budget "
+                    f"({source}: {budget / GIB:.3g} GiB, of which "
                     f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
-                    "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, context_parallel_size, "
-                    "state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; longstraw.preflight=false "
+                    "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
+                    "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
+                    "longstraw.preflight=false "
                     "skips this check."
                 )
         verdicts: list[Optional[str]] = [None] * dist.get_world_size()
@@ -283,13 +294,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
         return total
 
-    def _estimate(self, adapter: Adapter, frag: Fragment, forward_only: bool) -> MemoryEstimate:
-        """The memory estimate of one group on this rank with the engine's knobs and compute dtype."""
-        return estimate_memory(
-            adapter.config, len(frag.prompt_ids), len(frag.responses), max(len(r) for r in frag.responses),
-            self.longstraw.chunk_size, "detached" if forward_only else self.longstraw.prompt_grad,
-            self._compute_dtype(), specs=adapter.specs(), cp_size=self.cp_size,
-            state_grad_on_host=self.longstraw.state_grad_on_host, replay_tokens=self.longstraw.replay_tokens,
+    def _estimate(self, adapter: Adapter, unit: Unit, forward_only: bool) -> MemoryEstimate:
+        """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
+        forward-only step is sized as a detached one, which holds more than a log-prob walk)."""
+        return estimate_plan(
+            adapter.config, self._unit_plan(unit), "detached" if forward_only else self.longstraw.prompt_grad,
+            self._compute_dtype(), specs=adapter.specs(), state_grad_on_host=self.longstraw.state_grad_on_host,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
             device_type=get_device_name(),
         )
@@ -549,6 +559,15 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
         "longstraw/tree_segments": Metric(AggregationType.SUM, float(stats.segments)),
         "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
     }
+
+
+def _describe(unit: Unit) -> str:
+    """What a unit is, for an error message: a tree's rows and lengths, a GRPO group's prompt and responses."""
+    if isinstance(unit, Tree):
+        return (f"the prefix tree of {len(unit.rows)} rows (longest {max(len(s) for s in unit.sequences)} tokens, "
+                f"prompts of {min(unit.score_starts)}-{max(unit.score_starts)} tokens)")
+    return (f"the group of a {len(unit.prompt_ids)}-token prompt and {len(unit.responses)} responses (longest "
+            f"{max(len(r) for r in unit.responses)} tokens)")
 
 
 def _free_device_bytes() -> int:

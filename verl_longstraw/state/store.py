@@ -10,6 +10,7 @@ float64 state), on the device or in host memory.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -52,26 +53,33 @@ class PathState:
         ]
 
     def leaves(self, parent: Key | None, row_end: int, requires_grad: bool) -> list[LayerState] | None:
-        """``read(parent, row_end)`` as autograd leaves; differentiable tensors get ``requires_grad``."""
+        """``read(parent, row_end)`` as autograd leaves. With ``requires_grad`` the differentiable ones require
+        grad and hand it straight into the sums as the backward produces it (a post-accumulate-grad hook adds a
+        leaf's ``.grad`` and drops it): only the layers whose backward is running hold a state gradient in the
+        model's dtype, never every layer's at once."""
         past = self.read(parent, row_end)
         if past is None:
             return None
-        return [
-            tuple(t.detach().requires_grad_(requires_grad and kind.differentiable)
-                  for kind, t in zip(layer, values, strict=True))
-            for layer, values in zip(self.kinds, past, strict=True)
-        ]
+        out = []
+        for j_layer, (layer, values) in enumerate(zip(self.kinds, past, strict=True)):
+            leaves = []
+            for j, (kind, value) in enumerate(zip(layer, values, strict=True)):
+                leaf = value.detach()
+                if requires_grad and kind.differentiable:
+                    leaf.requires_grad_()
+                    leaf.register_post_accumulate_grad_hook(functools.partial(self._add_grad, j_layer, j, parent,
+                                                                              row_end))
+                leaves.append(leaf)
+            out.append(tuple(leaves))
+        return out
 
-    def add_grads(self, leaves: list[LayerState] | None, parent: Key | None, row_end: int) -> None:
-        """Add each leaf's ``.grad`` (``leaves(parent, row_end, True)`` after a backward) into the sums; clears it."""
-        if leaves is None:
-            return
-        for j_layer, (layer, values) in enumerate(zip(self.kinds, leaves, strict=True)):
-            for j, (kind, leaf) in enumerate(zip(layer, values, strict=True)):
-                if leaf.grad is not None:
-                    self.sums[j_layer][j] = kind.add_grad(self.sums[j_layer][j], parent, row_end, leaf.grad,
-                                                          self.capacity, self.on_host)
-                    leaf.grad = None
+    def _add_grad(self, layer: int, j: int, parent: Key, row_end: int, leaf: torch.Tensor) -> None:
+        """Add ``leaf.grad`` (tensor ``j`` of ``layer`` read by ``leaves(parent, row_end, True)``) into the sums;
+        clears it."""
+        kind = self.kinds[layer][j]
+        self.sums[layer][j] = kind.add_grad(self.sums[layer][j], parent, row_end, leaf.grad, self.capacity,
+                                            self.on_host)
+        leaf.grad = None
 
     def grads_for(self, key: Key, row_start: int, row_end: int) -> list[list[torch.Tensor | None]]:
         """The summed gradient of everything segment ``key`` wrote (rows [row_start, row_end)), per tensor."""
