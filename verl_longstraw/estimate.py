@@ -198,9 +198,11 @@ class _Shapes:
         self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         # bytes per prompt token of the state attention reads (and saves): rows, differentiable
         self.attended_row_bytes = [sum(s.row_nbytes(dtype) for s in layer if s.differentiable) for layer in specs]
+        # activation bytes one token saves per layer, read for every step of a plan: computed once
+        self.layer_token_bytes = [self.token_bytes(idx, kind) for idx, kind in enumerate(self.kinds)]
 
     def token_bytes(self, idx: int, kind: str) -> float:
-        """Activation bytes one token saves in layer ``idx`` (independent of the prefix)."""
+        """Activation bytes one token saves in layer ``idx`` (independent of the prefix; ``layer_token_bytes``)."""
         c = self.config
         if kind == "attention":
             gate = 2 if getattr(c, "model_type", "").startswith(("qwen3_next", "qwen3_5")) else 1
@@ -272,8 +274,9 @@ class _Shapes:
             return 0
         total = 0
         kinds = self.kinds[:-1] if last_layer_stops else self.kinds
-        for idx, kind in enumerate(kinds):
-            if kind == "linear" or (layers is not None and idx not in layers):
+        for idx in range(len(kinds)) if layers is None else sorted(i for i in layers if i < len(kinds)):
+            kind = kinds[idx]
+            if kind == "linear":
                 continue
             heads, dim, v_dim = self.attention_dims(kind)
             floats = 1 if self.pass_q_fused(kind) else v_dim + self.cp_size + 3
@@ -376,14 +379,13 @@ class _Shapes:
         ``tokens`` replay together after the same state (one process; attention ``shared_prefix_saved``)."""
         total = 0.0
         masks: set[int] = set()
-        for idx, kind in enumerate(self.kinds):
-            if layers is not None and idx not in layers:
-                continue
+        for idx in range(len(self.kinds)) if layers is None else sorted(layers):
+            kind = self.kinds[idx]
             row_bytes = self.attended_row_bytes[idx]
             if last_layer_stops and idx == len(self.kinds) - 1:  # only its norm and state projections run
                 total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
-            total += batch * tokens * self.token_bytes(idx, kind)
+            total += batch * tokens * self.layer_token_bytes[idx]
             if kind == "linear":  # the chunked rule pads each sequence to whole chunks
                 padding = batch * (-tokens % GDN_CHUNK_LEN)
                 total += padding * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)

@@ -12,10 +12,9 @@ runs through them), the values from earlier segments are leaves whose gradient i
 float32 per-token sums. In exact mode the state a replay or recompute reads is a leaf too, whose gradient goes
 into the path store's float32 sums as the backward produces it (``state.PathState.leaves``); a segment's
 recompute then backpropagates its state's summed gradient plus its scored tokens' (and hands the gradient of its
-parent's state on). So the
-gradient is the standard full-sequence one, each shared token scored once, and one path's state is held at a
-time. Detached mode reads the state as constants (the LongStraw paper's gradient), recomputing only segments
-that score tokens.
+parent's state on). So the gradient is the standard full-sequence one, each shared token scored once, and one
+path's state is held at a time. Detached mode reads the state as constants (the LongStraw paper's gradient),
+recomputing only segments that score tokens.
 
 Context parallel (``group``): every rank runs the same steps on its part (``Segment.own_*``,
 ``Step.split``), the adapters' mixers attend and hand state across the ranks, and each replay round's values and

@@ -282,8 +282,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
                     "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
                     "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
-                    "longstraw.preflight=false "
-                    "skips this check."
+                    "longstraw.preflight=false skips this check."
                 )
         verdicts: list[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, message)
