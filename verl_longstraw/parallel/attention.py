@@ -214,19 +214,23 @@ def sharded_fused_backward_transient_bytes(
     inputs of ``dtype`` ([batch, q_heads, T_r, dim] queries, ``kv_heads`` key heads, ``prefix_rows`` local prefix
     rows; arguments as ``sharded_prefix_attention``), on a device of ``device_type``. The largest of its phases,
     with N = sum(query_sizes), L = max(query_sizes) and a row = B x Hq x D entries:
-    - gathering d(output) and output: this rank's 2 x T_r rows stacked and padded for the wire, the gather's
-      buffer (2 x R x L rows) and the copy in the kernels' layout (2 x N rows), in ``dtype``;
+    - gathering d(output) and output: this rank's 2 x T_r rows stacked, the wire buffers (those rows padded to
+      2 x L, and the 2 x R x L rows received) and the copy in the kernels' layout (2 x N rows), in ``dtype``;
     - the kernels' backward: that copy plus ``ops.fused_attention.fused_backward_transient_bytes`` of the N
       gathered queries over this rank's keys (its float32 d(queries) included);
     - the reduce-scatter of d(queries): the float32 d(queries) (N rows), the send buffer (R x L rows) and the
       received rows (L), in ``compute_dtype``.
+    The gather's wire buffers (the padded rows sent and the buffer received) count in the two later phases too: the
+    process group's work object holds them until its backend lets go, which can be after the call returns (gloo
+    drops them from its worker thread, NCCL when the work is reaped), so their bytes may still be in use then.
     """
     world, longest, queries, own = len(query_sizes), max(query_sizes), sum(query_sizes), query_sizes[rank]
     row = batch * q_heads * dim
     gathered = 2 * queries * row * dtype.itemsize
-    gather = 2 * (2 * own + world * longest) * row * dtype.itemsize + gathered
+    stacked = 2 * own * row * dtype.itemsize
+    gather_wire = 2 * (longest + world * longest) * row * dtype.itemsize
     own_keys = OwnKeyRule(start=sum(query_sizes[:rank]), later_rows_see_all=causal_across_ranks)
     kernels = gathered + fused_backward_transient_bytes(device_type, dtype, batch, q_heads, kv_heads, dim, queries,
                                                         prefix_rows, own, own_keys)
     scatter = (queries + (world + 1) * longest) * row * compute_dtype(dtype).itemsize
-    return max(gather, kernels, scatter)
+    return gather_wire + max(stacked + gathered, kernels, scatter)
