@@ -51,8 +51,9 @@ import transformers
 from .adapters import adapter_for
 from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
-from .ops.fused_attention import fused_backward_transient_bytes
-from .parallel.attention import sharded_fused_backward_transient_bytes
+from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
+from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
+from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
 from .state import StateKind
@@ -200,6 +201,11 @@ class _Shapes:
         self.attended_row_bytes = [sum(s.row_nbytes(dtype) for s in layer if s.differentiable) for layer in specs]
         # activation bytes one token saves per layer, read for every step of a plan: computed once
         self.layer_token_bytes = [self.token_bytes(idx, kind) for idx, kind in enumerate(self.kinds)]
+        # the fused kernels' dtype for each attention kind's inputs (None: they do not take them)
+        self.fused_dtypes = {
+            kind: planned_fused_dtype(device_type, dtype, *self.attention_dims(kind))
+            for kind in set(self.kinds) - {"linear"}
+        }
 
     def token_bytes(self, idx: int, kind: str) -> float:
         """Activation bytes one token saves in layer ``idx`` (independent of the prefix; ``layer_token_bytes``)."""
@@ -242,28 +248,24 @@ class _Shapes:
         summary = padded * self.gdn_rule_token_bytes(dv + dk, GDN_SUMMARY)
         return summary + self.cp_size * heads * dk * (2 * dv + dk) * self.compute
 
-    def attention_rows(self, kind: str) -> int:
-        """Mask rows per token: the query heads of a key head where the reference folds them into
-        rows (MLA's one latent head, or a single key head), else 1."""
-        heads = self.config.num_attention_heads
-        if kind == "mla":
-            return heads
-        folded = attention_ops.folds_query_heads(heads, self.kv_heads, self.head_dim, self.head_dim)
-        return heads // self.kv_heads if folded else 1
-
-    def attention_dims(self, kind: str) -> tuple[int, int, int]:
-        """(query heads, query/key dim, value dim) of the attention op (MLA: absorbed, in latent space)."""
+    def attention_dims(self, kind: str) -> tuple[int, int, int, int]:
+        """(query heads, key heads, query/key dim, value dim) of the attention op (MLA: absorbed, in latent space,
+        one key head)."""
         c = self.config
         if kind == "mla":
-            return c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
-        return c.num_attention_heads, self.head_dim, self.head_dim
+            return c.num_attention_heads, 1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+        return c.num_attention_heads, self.kv_heads, self.head_dim, self.head_dim
 
-    @staticmethod
-    def pass_q_fused(kind: str) -> bool:
-        """Whether pass-Q runs on the fused kernels for attention of this kind (``parallel.attention``): every kind
-        whose value dim equals its key dim (not MLA), as ``ops.fused_attention.fused_kernel_dtype`` decides on CPU
-        and on CUDA in fp16/bf16 within flash's head-dim limit (256), which every supported model meets."""
-        return kind != "mla"
+    def attention_call(self, kind: str, batch: int, tokens: int, prefix: int) -> AttentionCall:
+        """The ``ops.attention.prefix_causal_attention`` call of an attention layer of ``kind`` for ``batch``
+        sequences of ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
+        return AttentionCall(batch, *self.attention_dims(kind), tokens, prefix, batch > 1 and prefix > 0, False,
+                             self.dtype, self.fused_dtypes[kind])
+
+    def pass_q_fused(self, kind: str) -> bool:
+        """Whether pass-Q runs on the fused kernels for attention of this kind (``parallel.attention``): where
+        they take its inputs (``ops.fused_attention.planned_fused_dtype``)."""
+        return self.fused_dtypes[kind] is not None
 
     def pass_q_saved(self, queries: int, last_layer_stops: bool, layers: Collection[int] | None = None) -> int:
         """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
@@ -278,9 +280,9 @@ class _Shapes:
             kind = kinds[idx]
             if kind == "linear":
                 continue
-            heads, dim, v_dim = self.attention_dims(kind)
-            floats = 1 if self.pass_q_fused(kind) else v_dim + self.cp_size + 3
-            total += queries * heads * (dim * self.act + floats * self.compute)
+            heads, _, dim, v_dim = self.attention_dims(kind)
+            total += sharded_attention_saved_bytes(self.dtype, heads, dim, v_dim, queries, self.cp_size,
+                                                   self.pass_q_fused(kind), 0, 0).gathered
         return total
 
     def pass_q_score_block(self, queries: int, keys: int) -> int:
@@ -298,23 +300,23 @@ class _Shapes:
     def fused_backward_transient(
         self, batch: int, tokens: int, prefix: int, sizes: Sequence[int], rank: int, consecutive: bool
     ) -> int:
-        """Transient bytes of one attention layer's fused backward (0 without attention layers that take the fused
-        kernels, ``pass_q_fused``): in one process ``ops.fused_attention.fused_backward_transient_bytes`` of
-        ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the batch when it is > 1), under CP
-        ``parallel.attention.sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes`` (this
-        rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or not. 0 too
-        in one process without a prefix and unfolded heads, where the dispatch takes SDPA's is_causal call
-        (``ops.attention.prefix_causal_attention``), whose backward is not counted."""
-        if not any(kind != "linear" and self.pass_q_fused(kind) for kind in self.kinds):
+        """Transient bytes of one attention layer's fused backward (0 without attention layers, ``kind`` "attention",
+        whose calls take the fused kernels): in one process ``ops.fused_attention.fused_backward_transient_bytes``
+        of ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the batch when it is > 1) where the
+        dispatch takes the fused path for them (``ops.attention.attention_path``; SDPA's backward is not counted),
+        under CP ``parallel.attention.sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes``
+        (this rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or
+        not."""
+        if "attention" not in self.kinds or not self.pass_q_fused("attention"):
             return 0
-        if self.cp_size == 1 and prefix == 0 and self.attention_rows("attention") == 1:
-            return 0
-        heads, dim, _ = self.attention_dims("attention")
+        call = self.attention_call("attention", batch, tokens, prefix)
         if self.cp_size == 1:
-            return fused_backward_transient_bytes(self.device_type, self.dtype, batch, heads, self.kv_heads, dim,
-                                                  tokens, prefix, tokens, shared_prefix=batch > 1)
-        return sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, heads, self.kv_heads, dim,
-                                                      sizes, rank, prefix, consecutive)
+            if attention_path(call) != "fused":
+                return 0
+            return fused_backward_transient_bytes(self.device_type, self.dtype, batch, call.q_heads, call.kv_heads,
+                                                  call.qk_dim, tokens, prefix, tokens, shared_prefix=call.shared_prefix)
+        return sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, call.q_heads,
+                                                      call.kv_heads, call.qk_dim, sizes, rank, prefix, consecutive)
 
     def saved(
         self,
@@ -343,26 +345,6 @@ class _Shapes:
         inputs = len(self.kinds) * batch * tokens * self.config.hidden_size * self.act
         return inputs + largest[0], largest[1]
 
-    def shared_prefix_saved(self, kind: str, idx: int, batch: int, tokens: int, prefix: int, state_len: int) -> int:
-        """Bytes ``ops.attention.shared_prefix_attention`` saves in layer ``idx`` for ``batch`` sequences of
-        ``tokens`` after ``prefix`` state rows (buffers of ``state_len``): for each of its two partial attentions
-        (the batch x tokens query rows over the prefix keys; each sequence over its own keys), the dense op's two
-        score-sized float32 tensors, its float32 keys/values and scaled queries, or past
-        ``ops.attention.SCORES_BYTES_LIMIT`` the blocked op's queries, output and logsumexp (and, over the prefix,
-        the state buffer its views keep alive)."""
-        heads, dim, v_dim = self.attention_dims(kind)
-        kv_heads = 1 if kind == "mla" else self.kv_heads
-        rows = heads * batch * tokens
-        total = 0
-        for keys, key_rows in ((prefix, prefix), (tokens, batch * tokens)):
-            scores = rows * keys * self.compute
-            if scores <= attention_ops.SCORES_BYTES_LIMIT:
-                total += 2 * scores + (kv_heads * key_rows * (dim + v_dim) + rows * dim) * self.compute
-            else:
-                total += rows * (dim + v_dim + 1) * self.compute + (self.attended_row_bytes[idx] * state_len
-                                                                    if key_rows == prefix else 0)
-        return total
-
     def segment_saved(
         self,
         tokens: int,
@@ -376,7 +358,8 @@ class _Shapes:
         """Saved bytes of one segment of ``tokens`` (on this rank) after ``prefix`` state rows (buffers of
         ``state_len`` rows), pass-Q excluded; ``consecutive``: the ranks' tokens continue one another (a prompt
         chunk under CP). ``layers``: count only these layers (None: all). ``batch``: that many sequences of
-        ``tokens`` replay together after the same state (one process; attention ``shared_prefix_saved``)."""
+        ``tokens`` replay together after the same state (one process). Attention layers save what their op path
+        reports (``ops.attention.attention_saved_bytes``, ``parallel.attention.sharded_attention_saved_bytes``)."""
         total = 0.0
         masks: set[int] = set()
         for idx in range(len(self.kinds)) if layers is None else sorted(layers):
@@ -392,32 +375,20 @@ class _Shapes:
                 if consecutive and self.cp_size > 1:
                     total += self.gdn_affine_merge_bytes(tokens)
                 continue
-            rows = self.attention_rows(kind) * tokens
-            # ops.fused_attention takes every call with value dim == key dim and no key mask (not MLA) that has a
-            # prefix or folded heads, shared prefix included; it saves what the blocked op saves
-            fused = kind != "mla" and (prefix > 0 or rows > tokens)
-            if batch > 1 and not fused:
-                total += self.shared_prefix_saved(kind, idx, batch, tokens, prefix, state_len)
-                continue
             if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
-                # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's)
-                heads, dim, v_dim = self.attention_dims(kind)
-                gathered = dim if self.pass_q_fused(kind) else dim + v_dim
-                total += row_bytes * (state_len + tokens) - tokens * heads * gathered * self.act
+                # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's):
+                # this rank's are not saved besides, though the per-token coefficient counts them
+                heads, _, dim, v_dim = self.attention_dims(kind)
+                fused = self.pass_q_fused(kind)
+                saves = sharded_attention_saved_bytes(self.dtype, heads, dim, v_dim, 0, self.cp_size, fused,
+                                                      row_bytes * state_len, row_bytes * tokens)
+                total += saves.local - tokens * heads * (dim if fused else dim + v_dim) * self.act
                 continue
-            keys = prefix + tokens
-            blocked = prefix > 0 and rows * keys * self.act > attention_ops.MASK_BYTES_LIMIT
-            if fused or blocked:  # the op saves the prefix views, i.e. the whole state buffer, plus its own rows
-                total += row_bytes * (state_len + batch * tokens)
-                continue
-            if kind == "mla":  # key dim != value dim: the math backend saves probabilities, not the mask
-                rank = self.config.kv_lora_rank
-                total += (2 * rank + self.config.qk_rope_head_dim) * keys * self.act
-                total += rows * keys * max(self.act, 4)  # probabilities are float32 for half inputs (CPU)
-            else:
-                total += 2 * self.kv_heads * self.head_dim * keys * self.act
-                if prefix > 0 or rows > tokens:
-                    masks.add(rows * keys * self.act)
+            call = self.attention_call(kind, batch, tokens, prefix)
+            saves = attention_saved_bytes(call, row_bytes * state_len, row_bytes * batch * tokens)
+            total += saves.own
+            if saves.shared:
+                masks.add(saves.shared)
         return int(total + sum(masks))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,7 @@ def shared_prefix_attention(
 
 
 MASK_BYTES_LIMIT = 16 * 2**20  # the explicit mask is saved for backward; beyond this the blocked op is leaner
+SHARED_MERGE_FLOATS = 8  # per query row: shared_prefix_attention's merge weights, logsumexps and their exps
 
 
 ATTENTION_PATHS: Counter[str] = Counter()  # calls of prefix_causal_attention per path it took (gpu_check, logs)
@@ -157,10 +159,111 @@ def blocked_path_name(q: torch.Tensor) -> str:
     return "blocked" if matmul_dtype(q) == compute_dtype(q.dtype) else "blocked_half_matmul"
 
 
+class AttentionCall(NamedTuple):
+    """One ``prefix_causal_attention`` call by shape, all its dispatch reads: ``batch`` sequences of ``queries``
+    tokens with ``q_heads`` query heads of dim ``qk_dim``, after ``prefix`` rows of ``kv_heads`` key heads
+    (values of dim ``v_dim``); ``shared_prefix``: the prefix tensors have batch 1 and serve all ``batch``
+    sequences; ``key_mask``: a key mask is given; inputs of ``dtype``; ``fused``: the dtype the fused kernels
+    compute these inputs in (``ops.fused_attention.fused_kernel_dtype``), None where they do not take them."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    queries: int
+    prefix: int
+    shared_prefix: bool
+    key_mask: bool
+    dtype: torch.dtype
+    fused: torch.dtype | None
+
+    @classmethod
+    def of(cls, q, k_prefix, v_prefix, k_self, v_self, key_mask: torch.Tensor | None) -> AttentionCall:
+        """The call of these tensors (shapes in the module docstring). An empty prefix is never shared."""
+        batch, q_heads, queries, qk_dim = q.shape
+        prefix = k_prefix.shape[-2]
+        return cls(batch, q_heads, k_self.shape[1], qk_dim, v_self.shape[-1], queries, prefix,
+                   prefix > 0 and k_prefix.shape[0] != batch, key_mask is not None, q.dtype,
+                   fused_dtype(q, k_prefix, v_prefix, k_self, v_self))
+
+    @property
+    def folded(self) -> bool:
+        """Whether the reference folds grouped query heads into rows (``folds_query_heads``)."""
+        return folds_query_heads(self.q_heads, self.kv_heads, self.qk_dim, self.v_dim)
+
+    @property
+    def mask_rows(self) -> int:
+        """Rows of the explicit mask: the queries, times the query heads of a key head where they are folded."""
+        return self.queries * (self.q_heads // self.kv_heads if self.folded else 1)
+
+
+def attention_path(call: AttentionCall) -> str:
+    """The path ``prefix_causal_attention`` takes for ``call``: ``sdpa_is_causal``, ``fused``,
+    ``shared_prefix_partial``, ``sdpa_mask`` or ``blocked`` (its docstring says when). The dispatch and the memory
+    estimate (``attention_saved_bytes``) both ask this function."""
+    if not call.key_mask and call.prefix == 0 and not call.folded:
+        return "sdpa_is_causal"
+    if not call.key_mask and call.fused is not None:
+        return "fused"
+    if call.shared_prefix:
+        return "shared_prefix_partial"
+    if call.mask_rows * (call.prefix + call.queries) * call.dtype.itemsize <= MASK_BYTES_LIMIT:
+        return "sdpa_mask"
+    return "blocked"
+
+
+class AttentionSaves(NamedTuple):
+    """Bytes one ``prefix_causal_attention`` call keeps for backward besides its query and output activations (the
+    estimate's per-token coefficients count those): ``own`` this call's; ``shared`` one tensor that every call of
+    a forward with the same sizes shares through ``cache`` (the additive mask), to be counted once per size."""
+
+    own: int
+    shared: int
+
+
+def attention_saved_bytes(call: AttentionCall, prefix_buffer_bytes: int, own_kv_bytes: int) -> AttentionSaves:
+    """What the path ``attention_path(call)`` saves for backward. ``prefix_buffer_bytes``: the state buffer whose
+    views the prefix keys/values are (a saved view keeps all of it); ``own_kv_bytes``: the sequences' own
+    keys/values as the caller holds them (MLA: one latent row per token, the values its view).
+
+    - ``fused`` / ``blocked``: their inputs, i.e. the prefix buffer and the own keys/values;
+    - ``sdpa_is_causal`` / ``sdpa_mask``: the concatenated keys and values [B, Hk, P + T, D + Dv]; ``sdpa_mask``
+      also the additive mask [rows, P + T] (``shared``), or where value dim != key dim (SDPA's math backend)
+      the probabilities [B, Hq, T, P + T], float32 for half inputs, instead;
+    - ``shared_prefix_partial``: what ``partial_attention_saved_bytes`` gives for its two partial attentions (the
+      first over a copy of the queries laid out as rows, the second over the caller's queries) and their
+      logsumexp merge (``SHARED_MERGE_FLOATS`` per query row); its merged output is not saved by the op.
+    Besides these, the op saves its output and float32 logsumexp [B, Hq, T] (neither on ``shared_prefix_partial``).
+    Exact (``tests/ops/test_attention_paths.py``) apart from the dense partial op's and SDPA's math backend's
+    intermediates (``shared_prefix_partial`` with dense partials, ``sdpa_mask`` with value dim != key dim).
+    """
+    path = attention_path(call)
+    if path in ("fused", "blocked"):
+        return AttentionSaves(prefix_buffer_bytes + own_kv_bytes, 0)
+    if path == "shared_prefix_partial":
+        rows = call.batch * call.queries
+        over_prefix = partial_attention_saved_bytes(1, call.q_heads, call.kv_heads, call.qk_dim, call.v_dim, rows,
+                                                    call.prefix, call.dtype, prefix_buffer_bytes, query_copy=True)
+        over_own = partial_attention_saved_bytes(call.batch, call.q_heads, call.kv_heads, call.qk_dim, call.v_dim,
+                                                 call.queries, call.queries, call.dtype, own_kv_bytes,
+                                                 query_copy=False)
+        merge = SHARED_MERGE_FLOATS * call.q_heads * rows * compute_dtype(call.dtype).itemsize
+        return AttentionSaves(over_prefix + over_own + merge, 0)
+    keys = call.prefix + call.queries
+    own = call.batch * call.kv_heads * keys * (call.qk_dim + call.v_dim) * call.dtype.itemsize
+    if path == "sdpa_is_causal":
+        return AttentionSaves(own, 0)
+    if call.v_dim != call.qk_dim:
+        probabilities = call.batch * call.q_heads * call.queries * keys * max(call.dtype.itemsize, 4)
+        return AttentionSaves(own + probabilities, 0)
+    return AttentionSaves(own, call.mask_rows * keys * call.dtype.itemsize)
+
+
 def prefix_causal_attention(
     q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask: torch.Tensor | None = None, cache: dict | None = None
 ) -> torch.Tensor:
-    """Dispatch used by the adapters; counts the path it takes in ``ATTENTION_PATHS``.
+    """Dispatch used by the adapters (``attention_path``); counts the path it takes in ``ATTENTION_PATHS``.
 
     - ``sdpa_is_causal``: no prefix, no key mask, unfolded heads: one SDPA call without a mask;
     - ``fused_flash_cpu`` / ``fused_flash_cuda``: otherwise without a key mask where the fused kernels take
@@ -172,23 +275,17 @@ def prefix_causal_attention(
     - ``blocked`` (``blocked_path_name``): else the blocked online-softmax op, which saves only inputs, output,
       logsumexp and ``key_mask``.
     """
-    if q.shape[0] != k_prefix.shape[0] and k_prefix.shape[-2] == 0:  # nothing to share: an empty prefix is free
+    call = AttentionCall.of(q, k_prefix, v_prefix, k_self, v_self, key_mask)
+    if q.shape[0] != k_prefix.shape[0] and not call.shared_prefix:  # nothing to share: an empty prefix is free
         k_prefix, v_prefix = (x.expand(q.shape[0], *x.shape[1:]) for x in (k_prefix, v_prefix))
-    shared = q.shape[0] != k_prefix.shape[0]
-    q_heads, k_heads = q.shape[-3], k_prefix.shape[-3]
-    folded = folds_query_heads(q_heads, k_heads, q.shape[-1], v_prefix.shape[-1])
-    rows, total = q.shape[-2] * (q_heads // k_heads if folded else 1), k_prefix.shape[-2] + q.shape[-2]
-    if key_mask is None and k_prefix.shape[-2] == 0 and not folded:
-        path = "sdpa_is_causal"
-    elif key_mask is None and (dtype := fused_dtype(q, k_prefix, v_prefix, k_self, v_self)) is not None:
+    path = attention_path(call)
+    if path == "fused":
         ATTENTION_PATHS[FUSED_PATHS[q.device.type]] += 1
-        return prefix_causal_attention_fused(q, k_prefix, v_prefix, k_self, v_self, scale, dtype)
-    elif shared:
-        ATTENTION_PATHS["shared_prefix_partial"] += 1
+        return prefix_causal_attention_fused(q, k_prefix, v_prefix, k_self, v_self, scale, call.fused)
+    if path == "shared_prefix_partial":
+        ATTENTION_PATHS[path] += 1
         return shared_prefix_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask)
-    elif rows * total * q.element_size() <= MASK_BYTES_LIMIT:
-        path = "sdpa_mask"
-    else:
+    if path == "blocked":
         ATTENTION_PATHS[blocked_path_name(q)] += 1
         block = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
         return prefix_causal_attention_blocked(
@@ -272,8 +369,31 @@ def partial_attention(
     int: the blocked op with that many keys per block.
     """
     if block_size is None:
-        scores_bytes = q.shape[:-1].numel() * (k_prefix.shape[-2] + k_self.shape[-2]) * compute_dtype(q.dtype).itemsize
-        if scores_bytes <= SCORES_BYTES_LIMIT:
+        if partial_attention_is_dense(q.shape[:-1].numel(), k_prefix.shape[-2] + k_self.shape[-2], q.dtype):
             return partial_attention_reference(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask)
         block_size = key_block_size(q.shape[:-1].numel(), compute_dtype(q.dtype).itemsize)
     return partial_attention_blocked(q, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size)
+
+
+def partial_attention_is_dense(query_rows: int, keys: int, dtype: torch.dtype) -> bool:
+    """Whether ``partial_attention`` (``block_size`` None) takes the dense reference for ``query_rows`` rows
+    (batch x query heads x queries) over ``keys`` keys of inputs of ``dtype``: while its scores fit in
+    ``SCORES_BYTES_LIMIT``."""
+    return query_rows * keys * compute_dtype(dtype).itemsize <= SCORES_BYTES_LIMIT
+
+
+def partial_attention_saved_bytes(
+    batch: int, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int, queries: int, keys: int, dtype: torch.dtype,
+    key_buffer_bytes: int, query_copy: bool,
+) -> int:
+    """Bytes ``partial_attention`` (``block_size`` None) saves for ``batch`` x ``q_heads`` x ``queries`` query rows
+    over ``keys`` keys of ``kv_heads`` heads (``batch`` such sets) for inputs of ``dtype``: the dense op's two
+    score-sized tensors, its keys/values and scaled queries in the arithmetic dtype; the blocked op's output and
+    logsumexp in it, its queries where they are a copy made for the call (``query_copy``; else the caller's
+    activation, not counted here), and the key/value inputs, i.e. the buffer their views keep alive
+    (``key_buffer_bytes``)."""
+    rows = batch * q_heads * queries
+    compute = compute_dtype(dtype).itemsize
+    if partial_attention_is_dense(rows, keys, dtype):
+        return 2 * rows * keys * compute + (batch * kv_heads * keys * (qk_dim + v_dim) + rows * qk_dim) * compute
+    return rows * (v_dim + 1 + (qk_dim if query_copy else 0)) * compute + key_buffer_bytes

@@ -60,6 +60,22 @@ def fused_kernel_dtype(
     return _kernel_dtype(device.type, dtype)
 
 
+FLASH_MAX_HEAD_DIM = 256  # flash attention's largest head dim (training), CUDA
+
+
+def planned_fused_dtype(
+    device_type: str, dtype: torch.dtype, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int
+) -> torch.dtype | None:
+    """``fused_kernel_dtype`` for a device of ``device_type`` that this process need not have (a memory table for
+    CUDA GPUs computed on a CPU host): asked of the device where torch sees one; on CUDA without a visible GPU,
+    flash's documented training limits instead (fp16/bf16, head dim a multiple of 8 and at most
+    ``FLASH_MAX_HEAD_DIM``)."""
+    if device_type != "cuda" or torch.cuda.is_available():
+        return fused_kernel_dtype(torch.device(device_type), dtype, q_heads, kv_heads, qk_dim, v_dim)
+    limits = dtype in (torch.float16, torch.bfloat16) and qk_dim % 8 == 0 and qk_dim <= FLASH_MAX_HEAD_DIM
+    return dtype if v_dim == qk_dim and limits else None
+
+
 def _kernel_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     """What the kernels compute inputs of ``dtype`` in on a device of ``device_type`` where they take them: CPU
     ``compute_dtype`` (its kernel takes any float dtype), CUDA ``dtype`` itself (flash: fp16/bf16)."""

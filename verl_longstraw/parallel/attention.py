@@ -39,6 +39,7 @@ in float32.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -136,6 +137,37 @@ def sharded_prefix_attention(
     )
     weighted = out * lse_weight(logsumexp, all_gather(logsumexp, group))
     return reduce_scatter(weighted.split(list(query_sizes), dim=-2), group, query_sizes, dim=-2).to(q.dtype)
+
+
+class PassQSaves(NamedTuple):
+    """Bytes ``sharded_prefix_attention`` keeps for backward on one rank, in one layer: ``local`` its inputs of this
+    rank (the prefix buffer its key views keep alive, the own keys/values); ``gathered`` what grows with the
+    gathered queries of all ranks."""
+
+    local: int
+    gathered: int
+
+
+def sharded_attention_saved_bytes(
+    dtype: torch.dtype,
+    q_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    gathered_queries: int,
+    world: int,
+    fused: bool,
+    prefix_buffer_bytes: int,
+    own_kv_bytes: int,
+) -> PassQSaves:
+    """What ``sharded_prefix_attention`` saves on one of ``world`` ranks for ``gathered_queries`` queries of all
+    ranks (one sequence, inputs of ``dtype``), ``fused``: on the fused kernels (``ops.fused_attention.
+    fused_kernel_dtype`` takes the inputs), else the blocked op. Gathered: the queries [Hq, N, D] in ``dtype`` and
+    the merged logsumexp L [Hq, N]; on the blocked path also the partial outputs [Hq, N, Dv], this rank's and
+    the R gathered logsumexps and each rank's weight, in the arithmetic dtype. Local: ``prefix_buffer_bytes`` (the
+    state buffer whose views the prefix keys/values are) and ``own_kv_bytes``."""
+    floats = 1 if fused else v_dim + world + 3
+    gathered = gathered_queries * q_heads * (qk_dim * dtype.itemsize + floats * compute_dtype(dtype).itemsize)
+    return PassQSaves(prefix_buffer_bytes + own_kv_bytes, gathered)
 
 
 class _ShardedFusedAttention(torch.autograd.Function):
