@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import verl_longstraw.execute as execute
 from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
+from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.ops.fused_attention import fused_kernel_dtype
@@ -143,37 +144,22 @@ def bytes_by_op(records: list[tuple[str, int, int, str]]) -> dict[str, dict[str,
     return dict(out)
 
 
-def layer_kinds(config) -> list[str]:
-    """"attention" or "gated_delta" for each decoder layer."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return ["gated_delta" if t == "linear_attention" else "attention" for t in types]
-
-
-def attention_dims(config) -> tuple[int, int, int]:
-    """(Hq, D, Dv) of the attention op: MLA attends in latent space (absorbed), one shared key head."""
-    if hasattr(config, "kv_lora_rank"):
-        return config.num_attention_heads, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads, head_dim, head_dim
-
-
 def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: list[int], world: int,
                   dtype: torch.dtype = torch.float32) -> dict[str, dict[str, int]]:
     """{phase: {op: bytes}} the formulas of the module docstring give for one group on ``world`` ranks."""
     config = tiny_config(family)
     b, f = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
-    heads, dim, v_dim = attention_dims(config)
-    kv_heads = 1 if hasattr(config, "kv_lora_rank") else config.num_key_value_heads
-    fused = fused_kernel_dtype(torch.device("cpu"), dtype, heads, kv_heads, dim, v_dim) is not None  # pass-Q's path
-    kinds = layer_kinds(config)
+    mixers = adapter_on_meta(config).mixers()  # each layer's mixer kind and attention call shape (MLA: absorbed)
     out = {phase: Counter() for phase in PHASES}
     if world == 1:
         return {phase: {} for phase in PHASES}
 
     def segment(counter: Counter, sizes: list[int], consecutive: bool, backward: bool) -> None:
         total, longest = sum(sizes), max(sizes)
-        for idx, kind in enumerate(kinds):
-            if kind == "attention" and not (consecutive and idx == len(kinds) - 1):
+        for idx, m in enumerate(mixers):
+            heads, dim, v_dim = m.q_heads, m.qk_dim, m.v_dim
+            fused = fused_kernel_dtype(torch.device("cpu"), dtype, heads, m.kv_heads, dim, v_dim) is not None  # pass-Q
+            if m.kind != "gated_delta" and not (consecutive and idx == len(mixers) - 1):
                 counter["all_gather"] += world * longest * heads * dim * b + world * total * heads * f
                 counter["reduce_scatter"] += world * longest * heads * v_dim * f
                 if backward and fused:
@@ -182,7 +168,7 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
                 elif backward:  # blocked op
                     counter["all_gather"] += world * longest * heads * v_dim * f
                     counter["reduce_scatter"] += world * total * heads * f + world * longest * heads * dim * f
-            elif kind == "gated_delta" and consecutive:
+            elif m.kind == "gated_delta" and consecutive:
                 maps = world * config.linear_num_value_heads * config.linear_key_head_dim * (
                     config.linear_key_head_dim + config.linear_value_head_dim) * f
                 channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (

@@ -295,7 +295,7 @@ def group_backward(
             longest = max(len(r) for r in responses)
             # rank 0's figures (the most rows) from replicated arguments: every rank reaches the same verdict
             estimate = estimate_memory(adapter.config, len(prompt_ids), len(responses), longest, chunk_size,
-                                       prompt_grad, dtype, specs=adapter.specs(), cp_size=comm.group_size(cp_group),
+                                       prompt_grad, dtype, adapter=adapter, cp_size=comm.group_size(cp_group),
                                        state_grad_on_host=state_grad_on_host, replay_tokens=replay_tokens,
                                        device_type=_device(model).type)
             check_budget(estimate, memory_budget_bytes)

@@ -29,6 +29,11 @@ process):
   ``sharded_fused_backward_transient_bytes``).
 ``total_bytes`` is what the rank's device holds at the peak, ``host_bytes`` what it keeps on the host.
 
+Nothing here re-derives what another module owns: each layer's token mixer (kind, the attention op's call shape,
+the output gate) is its adapter's ``Mixer`` (``adapters.adapter_on_meta`` for a config alone), each attention call's
+path and saves are the op's (``ops.attention.attention_path`` / ``attention_saved_bytes``,
+``parallel.attention.sharded_attention_saved_bytes``), each state tensor's bytes its kind's, the segments the plan's.
+
 Terms that grow with the prompt are counted exactly: K/V (or MLA latent) rows that attention
 concatenates and saves, the state buffers the blocked op saves, the shared additive mask and
 (MLA, whose SDPA falls back to the math backend) the float32 attention probabilities. Per-token
@@ -39,16 +44,15 @@ term; it does not grow with P). ``check_budget`` turns the estimate into an earl
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import transformers
 
-from .adapters import adapter_for
+from .adapters import Adapter, Mixer, adapter_on_meta, model_on_meta
+from .adapters.base import MIXER_KINDS
 from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
@@ -144,33 +148,6 @@ class MemoryEstimate:
         return self.state_grad_bytes - self.device_state_grad_bytes
 
 
-def state_specs(config) -> list[tuple[StateKind, ...]]:
-    """Per-layer prompt-state kinds of ``config``'s model: its adapter's ``state_kinds``, read from
-    the model built on the meta device (no weights, no memory)."""
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    return adapter_for(model.eval()).specs()
-
-
-_LAYER_TYPES = {"full_attention": "attention", "linear_attention": "linear"}  # config.layer_types -> mixer
-
-
-def _layer_kinds(config) -> list[str]:
-    """'attention', 'linear' (Gated DeltaNet) or 'mla' per layer; UnsupportedModelError naming a layer type of
-    ``config.layer_types`` the estimate does not account for (never counted as another kind)."""
-    if getattr(config, "kv_lora_rank", None):
-        return ["mla"] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    unknown = sorted(set(types) - set(_LAYER_TYPES))
-    if unknown:
-        raise UnsupportedModelError(
-            f"{getattr(config, 'model_type', 'model')}: the memory estimate does not account for layer type(s) "
-            f"{unknown} of config.layer_types (known: {sorted(_LAYER_TYPES)}); set longstraw.preflight=false to run "
-            "without the pre-flight check"
-        )
-    return [_LAYER_TYPES[t] for t in types]
-
-
 def _mlp_width(config, idx: int) -> int:
     """Intermediate width one token passes through in layer ``idx`` (routed experts x top-k + shared)."""
     experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
@@ -184,43 +161,47 @@ def _mlp_width(config, idx: int) -> int:
 
 
 class _Shapes:
-    """Per-layer state and per-token widths of a config, on one rank of ``cp_size``."""
+    """Per-layer state and per-token widths of a model, on one rank of ``cp_size``: its ``config``, its adapter's
+    state kinds (``specs``) and token mixers (``mixers``, ``adapters.Mixer``: kind and attention call shape)."""
 
-    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateKind, ...]], cp_size: int,
-                 device_type: str):
-        self.config = config
-        self.kinds = _layer_kinds(config)
+    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateKind, ...]], mixers: list[Mixer],
+                 cp_size: int, device_type: str):
+        unknown = sorted({m.kind for m in mixers} - set(MIXER_KINDS))
+        if unknown:
+            raise UnsupportedModelError(
+                f"{getattr(config, 'model_type', 'model')}: the memory estimate does not account for token mixer "
+                f"kind(s) {unknown} (known: {list(MIXER_KINDS)}); set longstraw.preflight=false to run without the "
+                "pre-flight check"
+            )
+        self.config, self.mixers = config, mixers
+        self.kinds = [m.kind for m in mixers]
         self.dtype, self.device_type = dtype, device_type
         self.act = dtype.itemsize
         self.compute = torch.promote_types(dtype, torch.float32).itemsize  # attention and delta-rule arithmetic
         self.cp_size = cp_size
-        c = config
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         # bytes per prompt token of the state attention reads (and saves): rows, differentiable
         self.attended_row_bytes = [sum(s.row_nbytes(dtype) for s in layer if s.differentiable) for layer in specs]
-        # activation bytes one token saves per layer, read for every step of a plan: computed once
-        self.layer_token_bytes = [self.token_bytes(idx, kind) for idx, kind in enumerate(self.kinds)]
-        # the fused kernels' dtype for each attention kind's inputs (None: they do not take them)
+        # the fused kernels' dtype for each attention mixer's inputs (None: they do not take them)
         self.fused_dtypes = {
-            kind: planned_fused_dtype(device_type, dtype, *self.attention_dims(kind))
-            for kind in set(self.kinds) - {"linear"}
+            m: planned_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim)
+            for m in set(mixers) if m.kind != "gated_delta"
         }
+        # activation bytes one token saves per layer, read for every step of a plan: computed once
+        self.layer_token_bytes = [self.token_bytes(idx) for idx in range(len(mixers))]
 
-    def token_bytes(self, idx: int, kind: str) -> float:
+    def token_bytes(self, idx: int) -> float:
         """Activation bytes one token saves in layer ``idx`` (independent of the prefix; ``layer_token_bytes``)."""
-        c = self.config
-        if kind == "attention":
-            gate = 2 if getattr(c, "model_type", "").startswith(("qwen3_next", "qwen3_5")) else 1
-            mixer = ATTN_MIXER * (c.num_attention_heads * self.head_dim * gate + 2 * self.kv_heads * self.head_dim)
-        elif kind == "linear":
+        c, m = self.config, self.mixers[idx]
+        if m.kind == "attention":
+            gate = 2 if m.gated_output else 1
+            mixer = ATTN_MIXER * (m.q_heads * m.qk_dim * gate + 2 * m.kv_heads * m.qk_dim)
+        elif m.kind == "gated_delta":
             key_dim = c.linear_num_key_heads * c.linear_key_head_dim
             value_dim = c.linear_num_value_heads * c.linear_value_head_dim
             mixer = 2 * (key_dim + value_dim) + self.gdn_float32_bytes() / self.act
         else:
-            heads = c.num_attention_heads
-            absorbed_query = heads * (c.kv_lora_rank + c.qk_rope_head_dim)
-            per_head = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+            absorbed_query = m.q_heads * m.qk_dim
+            per_head = m.q_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
             mixer = MLA_MIXER * (absorbed_query + per_head + (c.q_lora_rank or 0) + c.kv_lora_rank)
         return self.act * (NORM * c.hidden_size + mixer + MLP * _mlp_width(c, idx))
 
@@ -248,24 +229,17 @@ class _Shapes:
         summary = padded * self.gdn_rule_token_bytes(dv + dk, GDN_SUMMARY)
         return summary + self.cp_size * heads * dk * (2 * dv + dk) * self.compute
 
-    def attention_dims(self, kind: str) -> tuple[int, int, int, int]:
-        """(query heads, key heads, query/key dim, value dim) of the attention op (MLA: absorbed, in latent space,
-        one key head)."""
-        c = self.config
-        if kind == "mla":
-            return c.num_attention_heads, 1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
-        return c.num_attention_heads, self.kv_heads, self.head_dim, self.head_dim
+    def attention_call(self, idx: int, batch: int, tokens: int, prefix: int) -> AttentionCall:
+        """The ``ops.attention.prefix_causal_attention`` call of attention layer ``idx`` for ``batch`` sequences of
+        ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
+        m = self.mixers[idx]
+        return AttentionCall(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, prefix, batch > 1 and prefix > 0,
+                             False, self.dtype, self.fused_dtypes[m])
 
-    def attention_call(self, kind: str, batch: int, tokens: int, prefix: int) -> AttentionCall:
-        """The ``ops.attention.prefix_causal_attention`` call of an attention layer of ``kind`` for ``batch``
-        sequences of ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
-        return AttentionCall(batch, *self.attention_dims(kind), tokens, prefix, batch > 1 and prefix > 0, False,
-                             self.dtype, self.fused_dtypes[kind])
-
-    def pass_q_fused(self, kind: str) -> bool:
-        """Whether pass-Q runs on the fused kernels for attention of this kind (``parallel.attention``): where
-        they take its inputs (``ops.fused_attention.planned_fused_dtype``)."""
-        return self.fused_dtypes[kind] is not None
+    def pass_q_fused(self, mixer: Mixer) -> bool:
+        """Whether pass-Q runs on the fused kernels for this attention mixer (``parallel.attention``): where they
+        take its inputs (``ops.fused_attention.planned_fused_dtype``)."""
+        return self.fused_dtypes[mixer] is not None
 
     def pass_q_saved(self, queries: int, last_layer_stops: bool, layers: Collection[int] | None = None) -> int:
         """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
@@ -277,12 +251,11 @@ class _Shapes:
         total = 0
         kinds = self.kinds[:-1] if last_layer_stops else self.kinds
         for idx in range(len(kinds)) if layers is None else sorted(i for i in layers if i < len(kinds)):
-            kind = kinds[idx]
-            if kind == "linear":
+            m = self.mixers[idx]
+            if m.kind == "gated_delta":
                 continue
-            heads, _, dim, v_dim = self.attention_dims(kind)
-            total += sharded_attention_saved_bytes(self.dtype, heads, dim, v_dim, queries, self.cp_size,
-                                                   self.pass_q_fused(kind), 0, 0).gathered
+            total += sharded_attention_saved_bytes(self.dtype, m.q_heads, m.qk_dim, m.v_dim, queries, self.cp_size,
+                                                   self.pass_q_fused(m), 0, 0).gathered
         return total
 
     def pass_q_score_block(self, queries: int, keys: int) -> int:
@@ -290,8 +263,7 @@ class _Shapes:
         block (``ops.attention.key_block_size``) of a rank's ``keys``: scores and probabilities [heads, queries,
         block] in the compute dtype, for the blocked attention layer with the most heads; 0 in one process or
         where every attention layer is fused."""
-        blocked = {k for k in set(self.kinds) if k != "linear" and not self.pass_q_fused(k)}
-        heads = max((self.attention_dims(k)[0] for k in blocked), default=0)
+        heads = max((m.q_heads for m in self.fused_dtypes if not self.pass_q_fused(m)), default=0)
         if self.cp_size == 1 or not heads:
             return 0
         block = min(attention_ops.key_block_size(heads * queries, self.compute), keys)
@@ -300,23 +272,29 @@ class _Shapes:
     def fused_backward_transient(
         self, batch: int, tokens: int, prefix: int, sizes: Sequence[int], rank: int, consecutive: bool
     ) -> int:
-        """Transient bytes of one attention layer's fused backward (0 without attention layers, ``kind`` "attention",
-        whose calls take the fused kernels): in one process ``ops.fused_attention.fused_backward_transient_bytes``
-        of ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the batch when it is > 1) where the
-        dispatch takes the fused path for them (``ops.attention.attention_path``; SDPA's backward is not counted),
-        under CP ``parallel.attention.sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes``
-        (this rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or
-        not."""
-        if "attention" not in self.kinds or not self.pass_q_fused("attention"):
-            return 0
-        call = self.attention_call("attention", batch, tokens, prefix)
-        if self.cp_size == 1:
-            if attention_path(call) != "fused":
-                return 0
-            return fused_backward_transient_bytes(self.device_type, self.dtype, batch, call.q_heads, call.kv_heads,
-                                                  call.qk_dim, tokens, prefix, tokens, shared_prefix=call.shared_prefix)
-        return sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, call.q_heads,
-                                                      call.kv_heads, call.qk_dim, sizes, rank, prefix, consecutive)
+        """Transient bytes of one attention layer's fused backward, the largest over the attention mixers whose
+        calls take the fused kernels (0 without any): in one process ``ops.fused_attention.
+        fused_backward_transient_bytes`` of ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the
+        batch when it is > 1) where the dispatch takes the fused path for them (``ops.attention.attention_path``;
+        SDPA's backward is not counted), under CP ``parallel.attention.sharded_fused_backward_transient_bytes`` of
+        the ranks' segments ``sizes`` (this rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive``
+        segments (a prompt chunk) or not."""
+        largest = 0
+        for m in self.fused_dtypes:
+            if not self.pass_q_fused(m):
+                continue
+            if self.cp_size == 1:
+                call = AttentionCall(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, prefix,
+                                     batch > 1 and prefix > 0, False, self.dtype, self.fused_dtypes[m])
+                if attention_path(call) != "fused":
+                    continue
+                one = fused_backward_transient_bytes(self.device_type, self.dtype, batch, m.q_heads, m.kv_heads,
+                                                     m.qk_dim, tokens, prefix, tokens, shared_prefix=call.shared_prefix)
+            else:
+                one = sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, m.q_heads,
+                                                             m.kv_heads, m.qk_dim, sizes, rank, prefix, consecutive)
+            largest = max(largest, one)
+        return largest
 
     def saved(
         self,
@@ -369,7 +347,7 @@ class _Shapes:
                 total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
             total += batch * tokens * self.layer_token_bytes[idx]
-            if kind == "linear":  # the chunked rule pads each sequence to whole chunks
+            if kind == "gated_delta":  # the chunked rule pads each sequence to whole chunks
                 padding = batch * (-tokens % GDN_CHUNK_LEN)
                 total += padding * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
                 if consecutive and self.cp_size > 1:
@@ -378,13 +356,13 @@ class _Shapes:
             if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
                 # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's):
                 # this rank's are not saved besides, though the per-token coefficient counts them
-                heads, _, dim, v_dim = self.attention_dims(kind)
-                fused = self.pass_q_fused(kind)
-                saves = sharded_attention_saved_bytes(self.dtype, heads, dim, v_dim, 0, self.cp_size, fused,
-                                                      row_bytes * state_len, row_bytes * tokens)
-                total += saves.local - tokens * heads * (dim if fused else dim + v_dim) * self.act
+                m = self.mixers[idx]
+                fused = self.pass_q_fused(m)
+                saves = sharded_attention_saved_bytes(self.dtype, m.q_heads, m.qk_dim, m.v_dim, 0, self.cp_size,
+                                                      fused, row_bytes * state_len, row_bytes * tokens)
+                total += saves.local - tokens * m.q_heads * (m.qk_dim if fused else m.qk_dim + m.v_dim) * self.act
                 continue
-            call = self.attention_call(kind, batch, tokens, prefix)
+            call = self.attention_call(idx, batch, tokens, prefix)
             saves = attention_saved_bytes(call, row_bytes * state_len, row_bytes * batch * tokens)
             total += saves.own
             if saves.shared:
@@ -400,7 +378,7 @@ def estimate_memory(
     chunk_size: int | None = None,
     prompt_grad: str = "exact",
     dtype: torch.dtype = torch.bfloat16,
-    specs: list[tuple[StateKind, ...]] | None = None,
+    adapter: Adapter | None = None,
     cp_size: int = 1,
     state_grad_on_host: bool = False,
     rank: int = 0,
@@ -419,8 +397,8 @@ def estimate_memory(
     holds the most rows (ranks differ by at most one row per chunk), so its figures bound every
     rank's: every rank computes them from the same arguments and reaches the same verdict.
     ``state_grad_on_host``: the state-gradient sums live in host memory (``group_backward``'s flag).
-    ``specs``: the model's per-layer state layout (``adapter.specs()``) when a model is at hand;
-    None builds it from ``config`` (``state_specs``).
+    ``adapter``: the model's adapter when a model is at hand (its state kinds and token mixers are what the
+    estimate reads); None builds one from ``config`` on the meta device (``adapters.adapter_on_meta``).
 
     ``checkpointed``: per-decoder-layer activation checkpointing, which veRL turns on with
     ``actor_rollout_ref.model.enable_gradient_checkpointing`` (non-reentrant) and the adapters honour in
@@ -441,7 +419,7 @@ def estimate_memory(
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
-    return estimate_plan(config, plan, prompt_grad, dtype, specs, state_grad_on_host, checkpointed, device_type)
+    return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type)
 
 
 def estimate_plan(
@@ -449,7 +427,7 @@ def estimate_plan(
     plan: Plan,
     mode: str = "exact",
     dtype: torch.dtype = torch.bfloat16,
-    specs: list[tuple[StateKind, ...]] | None = None,
+    adapter: Adapter | None = None,
     state_grad_on_host: bool = False,
     checkpointed: bool = False,
     device_type: str = "cuda",
@@ -466,9 +444,10 @@ def estimate_plan(
     if mode not in ("exact", "detached"):
         raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    specs = specs if specs is not None else state_specs(config)
-    shapes = _Shapes(config, dtype, specs, plan.world, device_type)
-    local = _Shapes(config, dtype, specs, 1, device_type) if plan.world > 1 else shapes  # rounds after no state
+    adapter = adapter if adapter is not None else adapter_on_meta(config)
+    specs, mixers = adapter.specs(), adapter.mixers()
+    shapes = _Shapes(config, dtype, specs, mixers, plan.world, device_type)
+    local = _Shapes(config, dtype, specs, mixers, 1, device_type) if plan.world > 1 else shapes  # rounds, no state
     rank, rows = plan.rank, plan.capacity
     states_held, grads_held = plan.held(mode)
     fixed = sum(s.nbytes(0, dtype) for layer in specs for s in layer)  # what does not grow with the rows
@@ -540,7 +519,7 @@ def estimate_plan(
         state_grad_on_host=state_grad_on_host,
         replay_batch=batch_most,
     )
-    detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, specs,
+    detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
                                                                  state_grad_on_host, checkpointed, device_type)
     return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)
 
@@ -610,9 +589,7 @@ class ParameterCounts:
 
 def parameter_counts(config) -> ParameterCounts:
     """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit."""
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    return count_units(model)
+    return count_units(model_on_meta(config))
 
 
 def count_units(model: torch.nn.Module) -> ParameterCounts:
@@ -700,22 +677,22 @@ def gpu_table(
     run: Training,
     gpu_bytes: int,
     gpus_per_node: int = 8,
-    specs: list[tuple[StateKind, ...]] | None = None,
+    adapter: Adapter | None = None,
     params: ParameterCounts | None = None,
 ) -> GpuTable:
     """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2
     sharding over the R ranks of a CP group (``parameter_counts``) and the group terms of ``estimate_memory``
-    (checkpointed when ``run.checkpointing``). ``specs``/``params``: ``state_specs(config)`` and
+    (checkpointed when ``run.checkpointing``). ``adapter``/``params``: ``adapters.adapter_on_meta(config)`` and
     ``parameter_counts(config)`` when already built. The unsharded-gradient row is an upper bound (two units'
     gradients and their reduce-scatter copies at once). Not counted: the CUDA context, NCCL buffers,
     allocator fragmentation and the no-grad capture's transients."""
-    specs = specs if specs is not None else state_specs(config)
+    adapter = adapter if adapter is not None else adapter_on_meta(config)
     n, r = params if params is not None else parameter_counts(config), run.cp_size
     fp32_shard = 4 * n.total // r
     pair = n.largest_pair
     unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
-                        run.param_dtype, specs, r, run.state_grad_on_host, checkpointed=run.checkpointing,
+                        run.param_dtype, adapter, r, run.state_grad_on_host, checkpointed=run.checkpointing,
                         replay_tokens=run.replay_tokens)
     preflight = e.total_bytes + unsharded + grads  # the engine's pre-flight figure (same functions)
 

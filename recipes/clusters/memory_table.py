@@ -30,8 +30,9 @@ import transformers
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.configs import config_dir
-from verl_longstraw.estimate import GIB, GpuTable, Training, gpu_table, parameter_counts, state_specs
+from verl_longstraw.estimate import GIB, GpuTable, Training, gpu_table, parameter_counts
 
 CLUSTERS = Path(__file__).resolve().parent
 BLOCK = re.compile(  # a README block: the opening comment names the command, the body (no comments) its output
@@ -90,16 +91,16 @@ SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fie
 
 @cache
 def _model(name: str) -> tuple:
-    """(config, state specs, parameter counts) of the recipe's model, built once per process."""
+    """(config, adapter on the meta device, parameter counts) of the recipe's model, built once per process."""
     config = MODELS[name][1]()
-    return config, state_specs(config), parameter_counts(config)
+    return config, adapter_on_meta(config), parameter_counts(config)
 
 
 def memory(name: str, cfg: DictConfig, **change) -> GpuTable:
     """The per-GPU memory of recipe ``name`` (composed: ``cfg``), with ``change`` to its Training knobs."""
-    config, specs, params = _model(name)
+    config, adapter, params = _model(name)
     run = dataclasses.replace(training(cfg), **change)
-    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, specs, params)
+    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter, params)
 
 
 def compose_recipe(name: str) -> DictConfig:

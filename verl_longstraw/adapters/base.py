@@ -9,6 +9,7 @@ release's cache classes.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,6 +141,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
+MIXER_KINDS = ("attention", "mla", "gated_delta")
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A layer's token mixer as the memory estimate and the benchmarks read it (``Adapter.mixer``).
+
+    ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "mla" (the same op in MLA's latent
+    space: absorbed queries, one key head, the values a view of the latent keys) or "gated_delta" (the chunked
+    gated delta rule over fixed-size state). Attention kinds: the op's call shape, ``q_heads``, ``kv_heads``,
+    ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate packed into ``q_proj`` (which
+    then projects to twice the query width)."""
+
+    kind: str
+    q_heads: int = 0
+    kv_heads: int = 0
+    qk_dim: int = 0
+    v_dim: int = 0
+    gated_output: bool = False
+
+
 class Adapter(ABC):
     """Runs decoder layers over a segment given the prompt state of earlier tokens.
 
@@ -160,6 +182,10 @@ class Adapter(ABC):
     @abstractmethod
     def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
         """Kind of each of layer ``idx``'s state tensors (``state.kinds``: layout, gradient, bytes, empty value)."""
+
+    @abstractmethod
+    def mixer(self, idx: int) -> Mixer:
+        """What layer ``idx``'s token mixer runs (its kind and the attention op's call shape)."""
 
     @abstractmethod
     def mix(
@@ -195,6 +221,10 @@ class Adapter(ABC):
     def specs(self) -> list[tuple[StateKind, ...]]:
         """Every layer's ``state_kinds``."""
         return [self.state_kinds(i) for i in range(self.num_layers)]
+
+    def mixers(self) -> list[Mixer]:
+        """Every layer's ``mixer``."""
+        return [self.mixer(i) for i in range(self.num_layers)]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] -> hidden [1, S, hidden]; ids [B, S] (right-padded sequences) -> [B, S, hidden]."""
@@ -241,6 +271,20 @@ def register(cls: type[Adapter]) -> type[Adapter]:
 
 def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def model_on_meta(config) -> nn.Module:
+    """``config``'s causal LM built on the meta device (no weights, no memory), in eval mode."""
+    import transformers  # the model classes, only where a config is all there is
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+
+
+def adapter_on_meta(config) -> Adapter:
+    """The adapter of ``model_on_meta(config)``: what the memory estimate reads of a model it has only the config
+    of (state kinds, token mixers)."""
+    return adapter_for(model_on_meta(config))
 
 
 def adapter_for(model: nn.Module) -> Adapter:

@@ -10,13 +10,21 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..state import LayerState, Rows
-from .base import Adapter, SegmentContext, apply_rope, register
+from .base import Adapter, Mixer, SegmentContext, apply_rope, register
 
 
 def kv_kinds(attn: nn.Module) -> tuple[Rows, Rows]:
     """K and V, one token's row each [1, kv_heads, 1, head_dim]."""
     row = Rows(shape=(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim))
     return row, row
+
+
+def attention_mixer(attn: nn.Module) -> Mixer:
+    """The attention op's call shape in ``attention_mix``: query heads (o_proj's input over the head dim), key
+    heads, head dims, and whether q_proj packs the output gate (twice o_proj's input wide)."""
+    q_heads = attn.o_proj.in_features // attn.head_dim
+    return Mixer("attention", q_heads, attn.k_proj.out_features // attn.head_dim, attn.head_dim, attn.head_dim,
+                 gated_output=attn.q_proj.out_features == 2 * attn.o_proj.in_features)
 
 
 def attention_mix(
@@ -58,10 +66,17 @@ class DenseAttentionAdapter(Adapter):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if "sliding_attention" in (getattr(self.config, "layer_types", None) or []):
+        types = getattr(self.config, "layer_types", None) or []
+        if "sliding_attention" in types:
             raise UnsupportedModelError(
                 f"{self.config.model_type}: sliding-window layers (config.layer_types) are not supported; "
                 "use a config without use_sliding_window."
+            )
+        unknown = sorted(set(types) - {"full_attention"})
+        if unknown:
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
+                "adapter runs full_attention layers only)"
             )
 
     def check_length(self, total: int) -> None:
@@ -74,6 +89,9 @@ class DenseAttentionAdapter(Adapter):
 
     def state_kinds(self, idx: int) -> tuple[Rows, Rows]:
         return kv_kinds(self.layers[idx].self_attn)
+
+    def mixer(self, idx: int) -> Mixer:
+        return attention_mixer(self.layers[idx].self_attn)
 
     def mix(self, idx, x, ctx, past, need_output):
         return attention_mix(self.layers[idx].self_attn, x, ctx, past, need_output)

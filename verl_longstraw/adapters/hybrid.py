@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..state import Fixed, LayerState, StateKind
-from .base import Adapter, SegmentContext, per_sequence, register
-from .dense import attention_mix, kv_kinds
+from .base import Adapter, Mixer, SegmentContext, per_sequence, register
+from .dense import attention_mix, attention_mixer, kv_kinds
 
 
 def recurrent_kinds(mixer: nn.Module) -> tuple[Fixed, Fixed]:
@@ -71,8 +72,20 @@ def gated_deltanet_mix(
 class HybridGatedDeltaNetAdapter(Adapter):
     model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        unknown = sorted(set(self.config.layer_types) - {"full_attention", "linear_attention"})
+        if unknown:
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
+                "adapter runs full_attention and linear_attention layers)"
+            )
+
     def _is_linear(self, idx: int) -> bool:
         return self.config.layer_types[idx] == "linear_attention"
+
+    def mixer(self, idx: int) -> Mixer:
+        return Mixer("gated_delta") if self._is_linear(idx) else attention_mixer(self.layers[idx].self_attn)
 
     def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
         layer = self.layers[idx]

@@ -21,7 +21,7 @@ from torch import nn
 from ..ops.attention import prefix_causal_attention_reference
 from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
 from ..state import LayerState, Rows
-from .base import Adapter, SegmentContext, apply_rope, register
+from .base import Adapter, Mixer, SegmentContext, apply_rope, register
 
 
 def rope_is_interleaved(config, module: nn.Module) -> bool:
@@ -74,6 +74,13 @@ class MultiHeadLatentAttentionAdapter(Adapter):
     def _runs_indexer(self, idx: int) -> bool:
         attn = self.layers[idx].self_attn
         return getattr(attn, "indexer", None) is not None and not attn.skip_topk
+
+    def mixer(self, idx: int) -> Mixer:
+        """The absorbed attention's call shape: every head's latent-space query over one key head of the latent
+        plus rope dims, values the latent (``mix``)."""
+        attn = self.layers[idx].self_attn
+        rank = attn.kv_lora_rank
+        return Mixer("mla", attn.num_heads, 1, rank + attn.qk_rope_head_dim, rank)
 
     def state_kinds(self, idx: int) -> tuple[Rows, ...]:
         attn = self.layers[idx].self_attn

@@ -298,7 +298,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         forward-only step is sized as a detached one, which holds more than a log-prob walk)."""
         return estimate_plan(
             adapter.config, self._unit_plan(unit), "detached" if forward_only else self.longstraw.prompt_grad,
-            self._compute_dtype(), specs=adapter.specs(), state_grad_on_host=self.longstraw.state_grad_on_host,
+            self._compute_dtype(), adapter=adapter, state_grad_on_host=self.longstraw.state_grad_on_host,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
             device_type=get_device_name(),
         )
