@@ -466,6 +466,27 @@ def test_bad_input_names_the_field(qwen3, name):
     assert all(p.grad is None for p in qwen3.parameters())  # rejected before computing anything
 
 
+def test_a_plan_built_by_the_caller_serves_its_rows_only(qwen3):
+    """A plan passed in (the engine's, built once per step) gives the walk's own results; one built for other
+    tokens, score starts or knobs is a ValueError naming ``plan``, before anything is computed."""
+    tree = turns_tree(2, 3, 3)
+    plan = tree_plan(tree.sequences, tree.score_starts, chunk_size=8)
+    own = tree_log_probs(qwen3, tree.sequences, tree.score_starts, chunk_size=8)
+    given = tree_log_probs(qwen3, tree.sequences, tree.score_starts, chunk_size=8, plan=plan)
+    assert all(torch.equal(a, b) for a, b in zip(own.log_probs, given.log_probs, strict=True))
+    other_tokens = [tree.sequences[0], tree.sequences[1].flip(0)]
+    mismatches = {
+        "tokens": (other_tokens, tree.score_starts, {"chunk_size": 8}),
+        "score starts": (tree.sequences, [tree.score_starts[0], tree.score_starts[1] + 1], {"chunk_size": 8}),
+        "knobs": (tree.sequences, tree.score_starts, {"chunk_size": 16}),
+    }
+    qwen3.zero_grad(set_to_none=True)
+    for sequences, starts, knobs in mismatches.values():
+        with pytest.raises(ValueError, match="plan is not plan.tree_plan's"):
+            tree_backward(qwen3, sequences, starts, tree.loss, plan=plan, **knobs)
+    assert all(p.grad is None for p in qwen3.parameters())
+
+
 def test_bad_prompt_grad(qwen3):
     tree = turns_tree(2, 3, 3)
     with pytest.raises(ValueError, match="prompt_grad"):

@@ -23,7 +23,7 @@ from .errors import UnsupportedModelError
 from .estimate import check_budget, estimate_memory
 from .execute import GroupResult, GroupStats, LossFn, Sequences, capture, walk
 from .parallel import comm
-from .plan import REPLAY_TOKENS, Plan, star_plan, tree_plan
+from .plan import REPLAY_TOKENS, Plan, star_plan, tree_plan, tree_plan_source
 from .state import PathState
 
 PROMPT_GRAD_MODES = ("exact", "detached")
@@ -361,15 +361,23 @@ def validate_tree(
 
 
 def _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size, min_shared_tokens,
-          replay_tokens, cp_group, **settings) -> tuple[Adapter, Plan]:
-    """The validated tree's adapter and this rank's plan; under ``cp_group`` once every rank validated the same
-    rows and settings (a ValueError on every rank otherwise)."""
+          replay_tokens, cp_group, plan, **settings) -> tuple[Adapter, Plan]:
+    """The validated tree's adapter and this rank's plan (``plan`` where the caller built it, once checked to be
+    ``tree_plan``'s of these rows and knobs); under ``cp_group`` once every rank validated the same rows and
+    settings (a ValueError on every rank otherwise)."""
 
     def validate():
         adapter = validate_tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
                                 min_shared_tokens, replay_tokens)
-        plan = tree_plan(sequences, score_starts, chunk_size, response_chunk_size, min_shared_tokens, replay_tokens,
-                         comm.group_size(cp_group), comm.group_rank(cp_group))
+        world, rank = comm.group_size(cp_group), comm.group_rank(cp_group)
+        knobs = (chunk_size, response_chunk_size, min_shared_tokens, replay_tokens, world, rank)
+        if plan is None:
+            return adapter, tree_plan(sequences, score_starts, *knobs)
+        if not isinstance(plan, Plan) or plan.built_from != tree_plan_source(sequences, score_starts, *knobs):
+            raise ValueError(
+                "plan is not plan.tree_plan's for these sequences, score_starts, chunk_size, response_chunk_size, "
+                "min_shared_tokens, replay_tokens and this rank of cp_group; pass plan=None to build it here"
+            )
         return adapter, plan
 
     return _agree(cp_group, validate, {"sequences": sequences}, score_starts=score_starts, chunk_size=chunk_size,
@@ -389,6 +397,7 @@ def tree_log_probs(
     stats: GroupStats | None = None,
     replay_tokens: int = REPLAY_TOKENS,
     cp_group: comm.Group = None,
+    plan: Plan | None = None,
 ) -> GroupResult:
     """Log-probs of rows that share prefixes, each shared token run once.
 
@@ -397,10 +406,11 @@ def tree_log_probs(
     entropies. Rows sharing a prefix of >= ``min_shared_tokens`` tokens share its segments
     (``plan.tree_plan``: ``chunk_size``, ``response_chunk_size``, ``replay_tokens`` as there). Under ``cp_group``
     every rank passes the same rows: each captured segment is split over the ranks, leaves replay one per rank
-    per round, and every rank ends with every row's values.
+    per round, and every rank ends with every row's values. ``plan``: this rank's ``plan.tree_plan`` of these
+    rows and knobs where the caller built it already (the engine's pre-flight estimate read it), None: built here.
     """
     adapter, plan = _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
-                          min_shared_tokens, replay_tokens, cp_group, entropy=return_entropy)
+                          min_shared_tokens, replay_tokens, cp_group, plan, entropy=return_entropy)
     device = _device(model)
     rows = Sequences([(s.to(device),) for s in sequences])
     with torch.no_grad():
@@ -422,9 +432,11 @@ def tree_backward(
     state_grad_on_host: bool = False,
     replay_tokens: int = REPLAY_TOKENS,
     cp_group: comm.Group = None,
+    plan: Plan | None = None,
 ) -> GroupResult:
     """Accumulate into each parameter's ``.grad`` the gradient of ``sum_i loss_fn(i, logps_i)`` over rows that
-    share prefixes (rows and knobs as ``tree_log_probs``; ``loss_fn`` and ``prompt_grad`` as ``group_backward``).
+    share prefixes (rows, knobs and ``plan`` as ``tree_log_probs``; ``loss_fn`` and ``prompt_grad`` as
+    ``group_backward``).
 
     Each segment of the plan is captured once and recomputed once (exact mode; leaves replayed once with
     autograd), each shared token scored once; the device holds one root-to-leaf path's state and one segment's
@@ -432,8 +444,8 @@ def tree_backward(
     """
     _check_prompt_grad(prompt_grad)
     adapter, plan = _tree(model, sequences, score_starts, temperature, chunk_size, response_chunk_size,
-                          min_shared_tokens, replay_tokens, cp_group, entropy=with_entropy, prompt_grad=prompt_grad,
-                          state_grad_on_host=state_grad_on_host)
+                          min_shared_tokens, replay_tokens, cp_group, plan, entropy=with_entropy,
+                          prompt_grad=prompt_grad, state_grad_on_host=state_grad_on_host)
     device = _device(model)
     rows = Sequences([(s.to(device),) for s in sequences])
     return walk(adapter, plan, rows, prompt_grad, temperature, with_entropy, loss_fn, group=cp_group,

@@ -32,8 +32,9 @@ rounds, response ``round * R + r`` on rank r; ranks without one in the last roun
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -165,6 +166,7 @@ class Plan:
     replay_tokens: int
     world: int = 1
     rank: int = 0
+    built_from: tuple = field(default=(), compare=False, repr=False)  # tree_plan_source of a tree's plan
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -425,6 +427,26 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor, limit: int) -> int:
     return int(differs[0, 0]) if len(differs) else limit
 
 
+def tree_plan_source(
+    sequences: Sequence[torch.Tensor],
+    score_starts: Sequence[int],
+    chunk_size: int | None,
+    response_chunk_size: int | None,
+    min_shared_tokens: int,
+    replay_tokens: int,
+    world: int,
+    rank: int,
+) -> tuple:
+    """What ``tree_plan`` builds a plan from, as ``Plan.built_from`` records it: a digest of the rows' token ids and
+    score starts, and the knobs, world and rank. A caller handed a plan compares it with its own arguments'
+    (``api.tree_backward``'s ``plan``) instead of building the plan again."""
+    digest = hashlib.blake2b(digest_size=16)
+    for ids, start in zip(sequences, score_starts, strict=True):
+        digest.update(f"{len(ids)}:{start};".encode())
+        digest.update(ids.detach().to("cpu", torch.int64).numpy().tobytes())
+    return (digest.hexdigest(), chunk_size, response_chunk_size, min_shared_tokens, replay_tokens, world, rank)
+
+
 def tree_plan(
     sequences: Sequence[torch.Tensor],
     score_starts: Sequence[int],
@@ -504,4 +526,6 @@ def tree_plan(
         roots.setdefault((int(s[0]), int(s[1])), []).append(r)
     for rows in roots.values():
         build(rows, 0, None)
-    return _finish(segments, list(zip(first_scored, ends, strict=True)), replay_tokens, world, rank)
+    plan = _finish(segments, list(zip(first_scored, ends, strict=True)), replay_tokens, world, rank)
+    return replace(plan, built_from=tree_plan_source(host, score_starts, chunk_size, response_chunk_size,
+                                                     min_shared_tokens, replay_tokens, world, rank))

@@ -10,6 +10,8 @@ import pytest
 import torch
 from verl.workers.utils.padding import no_padding_2_padding
 
+import verl_longstraw.api as api_module
+import verl_longstraw.integration.engine as engine_module
 from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
 from verl_longstraw.integration.regroup import prefix_trees
 from verl_longstraw.integration.testing import (
@@ -133,10 +135,20 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_update_actor_matches_fsdp2(engines, name):
+def test_update_actor_matches_fsdp2(engines, name, monkeypatch):
     """One update_actor step with KL loss and entropy on: the parameters fsdp2 reaches; the path taken (one replay
     per response, or two passes) is the one asked for; clip_cov clips the same tokens; with one micro-batch, the
-    plan's tokens and segments."""
+    plan's tokens and segments, each tree's plan built once in the step (the walks read the engine's)."""
+    built = {"engine": 0, "walk": 0}
+
+    def counting(where: str, build):
+        def counted(*args, **kwargs):
+            built[where] += 1
+            return build(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(engine_module, "tree_plan", counting("engine", engine_module.tree_plan))
+    monkeypatch.setattr(api_module, "tree_plan", counting("walk", api_module.tree_plan))
     case = CASES[name]
     stock, longstraw = engines(case.family)
     td = TREE_BATCHES[case.batch](seed=2)
@@ -155,6 +167,7 @@ def test_update_actor_matches_fsdp2(engines, name):
         if mbs == len(td):
             modes = ("exact",) if case.replays_once else ("log_probs", "exact")
             assert_walked(metrics, td, longstraw.longstraw, modes)
+            assert built == {"engine": len(prefix_trees(td)), "walk": 0}
     finally:
         longstraw.longstraw = knobs
     if case.loss_mode == "clip_cov":

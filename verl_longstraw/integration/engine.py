@@ -228,13 +228,16 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return total
 
     def _unit_plan(self, unit: Unit) -> Plan:
-        """This rank's plan of one unit with the engine's knobs: a prefix tree's (``plan.tree_plan``, as
-        ``tree_backward`` builds it) or a GRPO group's star (``plan.star_plan``)."""
+        """This rank's plan of one unit with the engine's knobs: a prefix tree's (``plan.tree_plan``, built once
+        per step and kept on the unit: the pre-flight estimate and every walk of the step read it) or a GRPO
+        group's star (``plan.star_plan``)."""
         knobs, world = self.longstraw, self.cp_size
         rank = comm.group_rank(self.get_context_parallel_group())
         if isinstance(unit, Tree):
-            return tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
-                             knobs.min_shared_tokens, knobs.replay_tokens, world, rank)
+            if unit.plan is None:
+                unit.plan = tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
+                                      knobs.min_shared_tokens, knobs.replay_tokens, world, rank)
+            return unit.plan
         return star_plan(len(unit.prompt_ids), [len(r) for r in unit.responses], knobs.chunk_size,
                          knobs.replay_tokens, world, rank)
 
@@ -410,6 +413,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
                 min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
                 replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
+                plan=self._unit_plan(unit),
             )
         return group_log_probs(
             self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature, chunk_size=knobs.chunk_size,
@@ -443,6 +447,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
                     with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
                     replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
+                    plan=self._unit_plan(unit),
                 )
             return group_backward(
                 self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,

@@ -7,6 +7,8 @@ from typing import Any, Optional, Sequence
 import torch
 from tensordict import TensorDict
 
+from ..plan import Plan
+
 
 @dataclass
 class Fragment:
@@ -34,6 +36,7 @@ class Tree:
     sequences: list[torch.Tensor]
     score_starts: list[int]
     temperature: float
+    plan: Optional[Plan] = None  # this rank's plan with the engine's knobs, built once per step (engine._unit_plan)
 
 
 def prefix_trees(data: TensorDict) -> list[Tree]:
