@@ -6,7 +6,7 @@ import torch
 from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
-from verl_longstraw.tiny import DENSE_VARIANTS, VOCAB, tiny_model
+from verl_longstraw.tiny import DENSE_VARIANTS, MOE_VARIANTS, VOCAB, tiny_model
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
@@ -27,10 +27,13 @@ def test_memory_flat_in_group_size(family, prompt_grad, chunk_size):
     assert large <= 1.05 * small, (small, large)
 
 
-@pytest.mark.parametrize("family", DENSE_VARIANTS)
-def test_dense_variants_match_standard(family):
+@pytest.mark.parametrize("response_lens", [(12, 5), (12,)])
+@pytest.mark.parametrize("family", DENSE_VARIANTS + MOE_VARIANTS)
+def test_dense_variants_match_standard(family, response_lens):
+    """The other dense model types and the MoE variants (one and several responses, chunked): log-probs and the
+    exact gradient of the standard path."""
     model = tiny_model(family)
-    prompt, responses = make_group(VOCAB, 150, (12, 5))
+    prompt, responses = make_group(VOCAB, 150, response_lens)
     lp = group_log_probs(model, prompt, responses, chunk_size=64).log_probs
     with torch.no_grad():
         errors = [(a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses, strict=True)]
@@ -41,16 +44,21 @@ def test_dense_variants_match_standard(family):
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
-def test_qwen3_5_vision_language_checkpoint_on_text():
-    """model_type qwen3_5 (the vision-language class real checkpoints use): the text stack replays exactly."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_vision_language_checkpoint_on_text(family):
+    """model_type qwen3_5 / qwen3_5_moe (the vision-language classes real checkpoints use): the text stack replays
+    exactly."""
     import transformers
 
-    from verl_longstraw.tiny import tiny_config
+    from verl_longstraw.tiny import tiny_config, use_reference_kernels
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    config = transformers.Qwen3_5Config(text_config=tiny_config("qwen3_5").to_dict(), vision_config=vision)
-    config._attn_implementation = "sdpa"
-    model = transformers.Qwen3_5ForConditionalGeneration(config).train()
+    config_class, model_class = {
+        "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+    }[family]
+    config = use_reference_kernels(config_class(text_config=tiny_config(family).to_dict(), vision_config=vision))
+    model = model_class(config).train()
     prompt, responses = make_group(VOCAB, 50, (7, 3))
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
@@ -207,3 +215,32 @@ def test_shared_capture_mismatch_is_refused(qwen3):
         group_log_probs(qwen3, prompt, responses, chunk_size=32, state=state)
     with pytest.raises(ValueError, match="needs a state captured with for_backward=True"):
         group_backward(qwen3, prompt, responses, _loss, chunk_size=16, state=state)
+
+
+def test_readme_architecture_table_lists_every_supported_model_type():
+    """The README's "Supported architectures" table names exactly ``supported_model_types()``."""
+    import re
+    from pathlib import Path
+
+    from verl_longstraw.adapters import supported_model_types
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("## Supported architectures", 1)[1].split("\n\n", 2)[1]
+    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
+    assert listed == set(supported_model_types())
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
+def test_sliding_window_every_layer_is_refused_past_the_window(family):
+    """Mistral and Qwen3-MoE apply config.sliding_window to every layer: a sequence within the window is exact
+    (the window never binds), a longer one is refused naming the field, before anything is computed."""
+    model = tiny_model(family, sliding_window=40, use_sliding_window=True)
+    prompt, responses = make_group(VOCAB, 30, (9,))
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=16)
+    assert relative_error(grads_of(model), expected) < 1e-5
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=40"):
+        group_backward(model, prompt, [torch.randint(0, VOCAB, (12,))], weighted_loss)
+    assert all(p.grad is None for p in model.parameters())

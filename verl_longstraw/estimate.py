@@ -153,7 +153,8 @@ def _mlp_width(config, idx: int) -> int:
     experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
     dense_first = getattr(config, "first_k_dense_replace", 0)
     sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
-    if not experts or idx < dense_first or (idx + 1) % sparse_step:
+    dense_only = getattr(config, "mlp_only_layers", None) or ()
+    if not experts or idx < dense_first or (idx + 1) % sparse_step or idx in dense_only:
         return config.intermediate_size
     shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
     shared += getattr(config, "shared_expert_intermediate_size", 0) or 0

@@ -58,6 +58,25 @@ def _base_config(family: str):
                 shared_expert_intermediate_size=32, decoder_sparse_step=2,
             )
         return transformers.Qwen3_5TextConfig(**COMMON, **hybrid)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "qwen3_moe":  # every other layer sparse (decoder_sparse_step 2): a dense and a MoE layer
+        return transformers.Qwen3MoeConfig(
+            **COMMON, **moe, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=4, decoder_sparse_step=2, norm_topk_prob=True,
+        )
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(
+            **{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **moe, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            num_experts=4, shared_expert_intermediate_size=32,
+        )
+    if family == "glm4_moe":  # a dense first layer, then MoE with a shared expert; partial rotary, q/k norm, biases
+        return transformers.Glm4MoeConfig(
+            **COMMON, **moe, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+        )
     if family in ("deepseek_v3", "glm_moe_dsa"):
         mla = dict(
             num_hidden_layers=3,
@@ -85,6 +104,7 @@ def _base_config(family: str):
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
+MOE_VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe")  # the dense and hybrid adapters over MoE blocks
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

@@ -1,4 +1,5 @@
-"""Full softmax attention with grouped K/V heads (llama, mistral, qwen2, qwen3).
+"""Full softmax attention with grouped K/V heads (llama, mistral, qwen2, qwen3; qwen3_moe and glm4_moe, whose MoE
+blocks the decoder layer runs as the model does).
 
 State per layer: K (after norm and RoPE) and V, each [1, kv_heads, S, head_dim].
 """
@@ -62,7 +63,7 @@ def attention_mix(
 
 @register
 class DenseAttentionAdapter(Adapter):
-    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -80,11 +81,14 @@ class DenseAttentionAdapter(Adapter):
             )
 
     def check_length(self, total: int) -> None:
+        """Mistral and Qwen3-MoE apply ``config.sliding_window`` to every layer (no ``layer_types``): exact only
+        while a sequence fits in the window."""
         window = getattr(self.config, "sliding_window", None)
-        if self.config.model_type == "mistral" and window is not None and total > window:
+        model_type = self.config.model_type
+        if model_type in ("mistral", "qwen3_moe") and window is not None and total > window:
             raise UnsupportedModelError(
-                f"mistral: sequence of {total} tokens exceeds sliding_window={window}; sliding-window attention "
-                "is not supported. Shorten the sequence or set config.sliding_window=None."
+                f"{model_type}: sequence of {total} tokens exceeds sliding_window={window}; sliding-window "
+                "attention is not supported. Shorten the sequence or set config.sliding_window=None."
             )
 
     def state_kinds(self, idx: int) -> tuple[Rows, Rows]:

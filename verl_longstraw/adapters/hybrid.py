@@ -70,7 +70,7 @@ def gated_deltanet_mix(
 
 @register
 class HybridGatedDeltaNetAdapter(Adapter):
-    model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+    model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
     def check_supported(self) -> None:
         super().check_supported()
