@@ -134,7 +134,7 @@ def run_segment(
             states.extend(state)
         log_probs = entropies = None
         if scoring is not None:
-            head = adapter.model.lm_head
+            head = adapter.lm_head
 
             def head_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return score(hidden, head, scoring.targets, scoring.temperature, scoring.with_entropy)

@@ -25,6 +25,7 @@ from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.segment import SegmentSharding
 from ..state import LayerState, StateKind
+from .lora import base_model, check_lora
 
 
 @dataclass
@@ -170,12 +171,15 @@ class Adapter(ABC):
     """
 
     model_types: tuple[str, ...] = ()
+    weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.config = model.config.get_text_config()
-        self.backbone = getattr(model.model, "language_model", model.model)
+        self.model = model  # the module called (FSDP2's root hooks; a peft model's wrapper)
+        base = base_model(model)
+        self.config = base.config.get_text_config()
+        self.backbone = getattr(base.model, "language_model", base.model)
         self.layers = self.backbone.layers
+        self.lm_head = base.lm_head
         self.check_supported()
 
     # -- to implement per architecture -------------------------------------------------
@@ -209,6 +213,7 @@ class Adapter(ABC):
             )
         if getattr(self.config, "final_logit_softcapping", None):
             raise UnsupportedModelError(f"{self.config.model_type}: final_logit_softcapping is not supported.")
+        check_lora(self.model, self.weights_read)
 
     def check_length(self, total: int) -> None:
         """Raise for a sequence length this architecture cannot replay exactly."""

@@ -71,6 +71,7 @@ def gated_deltanet_mix(
 @register
 class HybridGatedDeltaNetAdapter(Adapter):
     model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (gated_deltanet_mix)
 
     def check_supported(self) -> None:
         super().check_supported()

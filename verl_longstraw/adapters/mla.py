@@ -22,6 +22,7 @@ from ..ops.attention import prefix_causal_attention_reference
 from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
 from ..state import LayerState, Rows
 from .base import Adapter, Mixer, SegmentContext, apply_rope, register
+from .lora import linear_weights
 
 
 def rope_is_interleaved(config, module: nn.Module) -> bool:
@@ -121,7 +122,7 @@ class MultiHeadLatentAttentionAdapter(Adapter):
         if not need_output:
             return None, (segment, *extra_state)
 
-        w_kv = attn.kv_b_proj.weight.view(heads, nope + attn.v_head_dim, rank)
+        w_kv = linear_weights(attn.kv_b_proj)[0].view(heads, nope + attn.v_head_dim, rank)  # LoRA's delta too
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
         if self.absorbed:
             query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)

@@ -1,0 +1,98 @@
+"""PEFT LoRA models (what veRL builds for ``lora_rank > 0``): exact gradients into the LoRA parameters through the
+prompt state, the base frozen; reference log-probs with the adapters disabled; the private peft layout
+``adapters.lora`` reads, pinned; the LoRA configurations the replay cannot reproduce refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+
+from verl_longstraw import UnsupportedModelError, group_backward, group_log_probs
+from verl_longstraw.adapters.lora import linear_weights
+from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+from verl_longstraw.tiny import VOCAB, tiny_model
+
+
+def lora_model(family: str, **config):
+    """A tiny ``family`` model under random-init LoRA adapters (B != 0, so they change the outputs)."""
+    options = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) | config
+    return get_peft_model(tiny_model(family), LoraConfig(**options)).train()
+
+
+def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
+    values = group_log_probs(model, prompt, responses, **kwargs).log_probs
+    with torch.no_grad():
+        return max(float((v - full_log_probs(model, prompt, r)[0]).abs().max())
+                   for v, r in zip(values, responses, strict=True))
+
+
+@pytest.mark.parametrize("family, targets", [
+    ("qwen3", "all-linear"),
+    ("qwen3_5", "all-linear"),
+    ("deepseek_v3", ["kv_b_proj", "q_b_proj", "o_proj"]),  # kv_b_proj: read as a weight by the absorbed attention
+])
+@pytest.mark.parametrize("chunk_size", [None, 32])
+def test_lora_gradients_match_standard(family, targets, chunk_size):
+    model = lora_model(family, target_modules=targets)
+    prompt, responses = make_group(VOCAB, 100, (9, 4, 1))
+    assert max_log_prob_error(model, prompt, responses, chunk_size=chunk_size) < 1e-5
+    expected = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk_size)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert with_grad == trainable and all(".lora_" in n for n in with_grad)  # the base is frozen
+    assert relative_error(grads_of(model), expected) < 1e-5
+
+
+def test_reference_log_probs_with_the_adapters_disabled():
+    """veRL's reference log-probs of a LoRA actor run under ``disable_adapter()``: the base model's values."""
+    model = lora_model("qwen3_5")
+    prompt, responses = make_group(VOCAB, 60, (7, 3))
+    base = tiny_model("qwen3_5")
+    with model.disable_adapter():
+        disabled = group_log_probs(model, prompt, responses, chunk_size=16).log_probs
+    adapted = group_log_probs(model, prompt, responses, chunk_size=16).log_probs
+    with torch.no_grad():
+        reference = [full_log_probs(base, prompt, r)[0] for r in responses]
+    assert max(float((a - b).abs().max()) for a, b in zip(disabled, reference, strict=True)) < 1e-5
+    assert min(float((a - b).abs().max()) for a, b in zip(adapted, reference, strict=True)) > 1e-3
+
+
+def test_linear_weights_is_what_the_layer_applies():
+    """``linear_weights`` of a peft LoRA Linear: base + scaling x B @ A while active (gradients reach A and B),
+    the base weight while disabled or merged; an nn.Linear's own weight."""
+    model = lora_model("deepseek_v3", target_modules=["kv_b_proj"])
+    layer = model.get_base_model().model.layers[0].self_attn.kv_b_proj
+    x = torch.randn(5, layer.in_features)
+    weight, bias = linear_weights(layer)
+    torch.testing.assert_close(F.linear(x, weight, bias), layer(x), rtol=1e-6, atol=1e-5)
+    weight.sum().backward()
+    assert layer.lora_A["default"].weight.grad is not None and layer.lora_B["default"].weight.grad is not None
+    with model.disable_adapter():
+        assert linear_weights(layer)[0] is layer.get_base_layer().weight
+        torch.testing.assert_close(F.linear(x, *linear_weights(layer)), layer(x), rtol=0, atol=0)
+    layer.merge()
+    torch.testing.assert_close(F.linear(x, *linear_weights(layer)), layer(x), rtol=1e-6, atol=1e-5)
+    plain = torch.nn.Linear(3, 2)
+    assert linear_weights(plain) == (plain.weight, plain.bias)
+
+
+REFUSED = {
+    "lm_head": (dict(target_modules=["q_proj", "lm_head"]), "LoRA on lm_head"),
+    "conv1d": (dict(target_modules=["conv1d"], r=128), "LoRA on model.layers.0.linear_attn.conv1d"),  # r % groups
+    "dropout": (dict(lora_dropout=0.1), "lora_dropout=0.1"),
+    "dora": (dict(use_dora=True, target_modules=["q_proj"]), "use_dora"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_lora_the_replay_cannot_reproduce_is_refused(name):
+    config, message = REFUSED[name]
+    model = lora_model("qwen3_5", **config)
+    prompt, responses = make_group(VOCAB, 20, (3,))
+    with pytest.raises(UnsupportedModelError, match=message):
+        group_backward(model, prompt, responses, weighted_loss)
+    assert all(p.grad is None for p in model.parameters())
