@@ -96,3 +96,21 @@ def test_lora_the_replay_cannot_reproduce_is_refused(name):
     with pytest.raises(UnsupportedModelError, match=message):
         group_backward(model, prompt, responses, weighted_loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_estimate_counts_frozen_base_without_gradients():
+    """The estimate's parameter counts of a LoRA model (the engine's ``count_units``, and ``parameter_counts``
+    of a config under ``Lora``, as the recipe tables build it): gradients and optimizer state for the adapters only."""
+    from verl_longstraw.estimate import Lora, count_units, parameter_counts, unsharded_bytes
+    from verl_longstraw.tiny import tiny_config
+
+    model = lora_model("qwen3_5")
+    counts = count_units(model)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.trainable.total == adapters < counts.total // 4
+    params, grads = unsharded_bytes(counts, 1, torch.bfloat16, torch.float32, training=True)
+    assert (params, grads) == (2 * counts.total, (2 + 4) * adapters)
+    planned = parameter_counts(tiny_config("qwen3_5"), Lora(4, "all-linear"))
+    assert (planned.total, planned.trainable.total) == (counts.total, adapters)
+    assert parameter_counts(tiny_config("qwen3_5")).trainable.total == count_units(tiny_model("qwen3_5")).total

@@ -573,14 +573,21 @@ class ParameterCounts:
     """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
     (``verl.utils.fsdp_utils.apply_fsdp2``), in the order a forward runs them: the input embedding, each
     decoder layer, the lm_head (embedding and lm_head are units only when untied); ``root``: the rest
-    (e.g. the final norm), sharded with the root module."""
+    (e.g. the final norm), sharded with the root module. ``trains``: the same counts of the parameters that get
+    gradients and optimizer state (a LoRA model's adapters; None: every parameter)."""
 
     units: tuple[int, ...]
     root: int
+    trains: ParameterCounts | None = None
 
     @property
     def total(self) -> int:
         return sum(self.units) + self.root
+
+    @property
+    def trainable(self) -> ParameterCounts:
+        """The counts of the parameters that train."""
+        return self.trains if self.trains is not None else self
 
     @property
     def largest_pair(self) -> int:
@@ -588,18 +595,32 @@ class ParameterCounts:
         return max((a + b for a, b in zip(self.units[:-1], self.units[1:], strict=True)), default=sum(self.units))
 
 
-def parameter_counts(config) -> ParameterCounts:
-    """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit."""
-    return count_units(model_on_meta(config))
+def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
+    """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit; under
+    ``lora`` as veRL builds it (peft's ``get_peft_model``, the base frozen)."""
+    model = model_on_meta(config)
+    if lora is not None and lora.rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        with torch.device("meta"):
+            model = get_peft_model(model, LoraConfig(r=lora.rank, target_modules=lora.target_modules))
+    return count_units(model)
 
 
 def count_units(model: torch.nn.Module) -> ParameterCounts:
-    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` made them DTensors)."""
+    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` made them DTensors), and
+    (``trains``) those that require gradients where some do not (a LoRA model)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight is not embed.weight
     modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
-    units = tuple(sum(p.numel() for p in m.parameters()) for m in modules)
-    return ParameterCounts(units, sum(p.numel() for p in model.parameters()) - sum(units))
+
+    def counts(which) -> tuple[tuple[int, ...], int]:
+        units = tuple(sum(p.numel() for p in m.parameters() if which(p)) for m in modules)
+        return units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units)
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    trains = ParameterCounts(*counts(lambda p: p.requires_grad)) if frozen else None
+    return ParameterCounts(*counts(lambda p: True), trains=trains)
 
 
 def unsharded_bytes(
@@ -607,11 +628,21 @@ def unsharded_bytes(
 ) -> tuple[int, int]:
     """(parameter bytes, gradient bytes) a rank holds unsharded at once during a step: two consecutive FSDP2
     units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
-    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch). Gradients (``training``) in
-    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
+    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch). Gradients (``training``) of the
+    parameters that train (``ParameterCounts.trainable``) in ``param_dtype`` plus their ``reduce_dtype`` copy for
+    the reduce-scatter: an upper bound."""
     count = params.largest_pair if cp_size > 1 else params.total
+    trained = params.trainable.largest_pair if cp_size > 1 else params.trainable.total  # LoRA: the adapters
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
-    return count * param_dtype.itemsize, count * (param_dtype.itemsize + reduce_copy) if training else 0
+    return count * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
+
+
+@dataclass(frozen=True)
+class Lora:
+    """veRL's LoRA settings (``actor_rollout_ref.model.lora_rank``, ``target_modules``): 0 = no LoRA."""
+
+    rank: int = 0
+    target_modules: str | tuple[str, ...] = "all-linear"
 
 
 @dataclass(frozen=True)
@@ -622,7 +653,8 @@ class Training:
     veRL's FSDP2 settings: ``offload_policy`` (fp32 parameter and gradient shards and the optimizer step on
     the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
     ``reduce_dtype``, and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
-    (the replay batch's token budget)."""
+    (the replay batch's token budget); ``lora``: veRL's LoRA settings (the base frozen: gradients and AdamW moments
+    of the adapters only, the reference policy the actor with its adapters disabled)."""
 
     prompt_len: int
     group_size: int
@@ -637,6 +669,7 @@ class Training:
     reduce_dtype: torch.dtype = torch.float32
     checkpointing: bool = True
     replay_tokens: int = REPLAY_TOKENS
+    lora: Lora = Lora()
 
 
 @dataclass(frozen=True)
@@ -688,8 +721,10 @@ def gpu_table(
     gradients and their reduce-scatter copies at once). Not counted: the CUDA context, NCCL buffers,
     allocator fragmentation and the no-grad capture's transients."""
     adapter = adapter if adapter is not None else adapter_on_meta(config)
-    n, r = params if params is not None else parameter_counts(config), run.cp_size
+    n, r = params if params is not None else parameter_counts(config, run.lora), run.cp_size
     fp32_shard = 4 * n.total // r
+    trained_shard = 4 * n.trainable.total // r
+    lora = run.lora.rank > 0
     pair = n.largest_pair
     unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
@@ -704,12 +739,24 @@ def gpu_table(
     replayed = (f"one {run.response_len}-token response" if e.replay_batch == 1
                 else f"a batch of {e.replay_batch} {run.response_len}-token responses")
     mode = "checkpointed" if run.checkpointing else "no checkpointing"
+    if lora:
+        training_rows = (
+            (f"fp32 gradient shards of the LoRA adapters: 4 B x N_LoRA / R (N_LoRA = {n.trainable.total / 1e6:.1f}e6, "
+             f"rank {run.lora.rank}; the base is frozen)", *where(run.offload_policy, trained_shard)),
+            ("AdamW moments of the LoRA adapters: 8 B x N_LoRA / R",
+             *where(run.offload_policy or run.optimizer_offload, 2 * trained_shard)),
+            ("reference policy: the actor with its LoRA adapters disabled (no copy)", 0, 0),
+        )
+    else:
+        training_rows = (
+            ("fp32 gradient shards: 4 B x N / R", *where(run.offload_policy, fp32_shard)),
+            ("AdamW moments: 8 B x N / R", *where(run.offload_policy or run.optimizer_offload, 2 * fp32_shard)),
+            ("reference model shards: 2 B x N / R (veRL keeps forward-only models on the host)", 0, 2 * n.total // r),
+        )
     rows = (
         (f"fp32 parameter shards: 4 B x N / R (N = {n.total / 1e9:.2f}e9 parameters, R = {r})",
          *where(run.offload_policy, fp32_shard)),
-        ("fp32 gradient shards: 4 B x N / R", *where(run.offload_policy, fp32_shard)),
-        ("AdamW moments: 8 B x N / R", *where(run.offload_policy or run.optimizer_offload, 2 * fp32_shard)),
-        ("reference model shards: 2 B x N / R (veRL keeps forward-only models on the host)", 0, 2 * n.total // r),
+        *training_rows,
         (f"unsharded parameters: two consecutive FSDP units ({pair / 1e9:.2f}e9 parameters) in "
          f"{str(run.param_dtype)[6:]}", unsharded, 0),
         (f"their unsharded gradients ({str(run.param_dtype)[6:]}, reduce-scattered in {str(run.reduce_dtype)[6:]})",

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.configs import config_dir
-from verl_longstraw.estimate import GIB, GpuTable, Training, gpu_table, parameter_counts
+from verl_longstraw.estimate import GIB, GpuTable, Lora, Training, gpu_table, parameter_counts
 
 CLUSTERS = Path(__file__).resolve().parent
 BLOCK = re.compile(  # a README block: the opening comment names the command, the body (no comments) its output
@@ -67,9 +67,14 @@ def glm5() -> transformers.PretrainedConfig:
 MODELS: dict[str, tuple[str, Callable[[], transformers.PretrainedConfig]]] = {
     "qwen35_27b_1m": ("Qwen3.5-27B", qwen35_27b),
     "qwen35_27b_4m": ("Qwen3.5-27B", qwen35_27b),
+    "qwen35_27b_1m_lora": ("Qwen3.5-27B", qwen35_27b),
     "glm5_mla_multinode": ("GLM-5", glm5),
+    "glm5_lora": ("GLM-5", glm5),
 }
-GPU_BYTES = {"qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "glm5_mla_multinode": 141e9}  # 96 GB; H200 141 GB
+GPU_BYTES = {  # 96 GB; H200 141 GB
+    "qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "qwen35_27b_1m_lora": 96e9, "glm5_mla_multinode": 141e9,
+    "glm5_lora": 141e9,
+}
 SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fields), per recipe
     "qwen35_27b_1m": [
         *({"chunk_size": c} for c in (16384, 32768, 131072, 262144)),
@@ -81,26 +86,43 @@ SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fie
         *({"cp_size": 8, "chunk_size": c} for c in (65536, 131072, 262144)),
         {"cp_size": 8, "chunk_size": 131072, "prompt_grad": "detached"},
     ],
+    "qwen35_27b_1m_lora": [
+        {"offload_policy": True, "optimizer_offload": True},
+        *({"chunk_size": c} for c in (32768, 131072)),
+    ],
     "glm5_mla_multinode": [
         *({"chunk_size": c} for c in (16384, 32768, 131072)),
         {"offload_policy": False, "optimizer_offload": False},
         {"cp_size": 32, "chunk_size": 262144},  # one CP group over all 4 nodes: FSDP shards over 32
+    ],
+    "glm5_lora": [
+        *({"chunk_size": c} for c in (32768, 131072, 262144)),
+        {"lora": Lora(64, "all-linear")},  # adapters on every expert too
+        {"cp_size": 8, "chunk_size": 65536},  # the full-parameter recipe's layout: four 8-rank CP groups
+        {"offload_policy": False, "optimizer_offload": False},
     ],
 }
 
 
 @cache
 def _model(name: str) -> tuple:
-    """(config, adapter on the meta device, parameter counts) of the recipe's model, built once per process."""
+    """(config, adapter on the meta device) of the recipe's model, built once per process."""
     config = MODELS[name][1]()
-    return config, adapter_on_meta(config), parameter_counts(config)
+    return config, adapter_on_meta(config)
+
+
+@cache
+def _parameters(name: str, lora: Lora):
+    """The recipe model's parameter counts under ``lora``, built once per process."""
+    return parameter_counts(_model(name)[0], lora)
 
 
 def memory(name: str, cfg: DictConfig, **change) -> GpuTable:
     """The per-GPU memory of recipe ``name`` (composed: ``cfg``), with ``change`` to its Training knobs."""
-    config, adapter, params = _model(name)
+    config, adapter = _model(name)
     run = dataclasses.replace(training(cfg), **change)
-    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter, params)
+    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter,
+                     _parameters(name, run.lora))
 
 
 def compose_recipe(name: str) -> DictConfig:
@@ -120,7 +142,14 @@ def training(cfg: DictConfig) -> Training:
         offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
         param_dtype=DTYPES[fsdp.mixed_precision.param_dtype], reduce_dtype=DTYPES[fsdp.mixed_precision.reduce_dtype],
         checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+        lora=lora(cfg.actor_rollout_ref.model),
     )
+
+
+def lora(model: DictConfig) -> Lora:
+    """veRL's LoRA settings of the recipe's ``actor_rollout_ref.model`` (rank 0: none)."""
+    targets = model.get("target_modules", "all-linear")
+    return Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets))
 
 
 def describe(run: Training) -> str:
@@ -129,7 +158,8 @@ def describe(run: Training) -> str:
             f"R = {run.cp_size}, chunk_size {run.chunk_size}, prompt_grad {run.prompt_grad}, state_grad_on_host "
             f"{run.state_grad_on_host}, offload_policy {run.offload_policy}, optimizer_offload "
             f"{run.optimizer_offload}, {str(run.param_dtype)[6:]} params / {str(run.reduce_dtype)[6:]} reduce, "
-            f"gradient checkpointing {run.checkpointing}")
+            f"gradient checkpointing {run.checkpointing}"
+            + (f", LoRA rank {run.lora.rank} on {run.lora.target_modules}" if run.lora.rank else ""))
 
 
 def table(name: str) -> str:

@@ -36,6 +36,8 @@ CLUSTER_RECIPES = {
     "qwen35_27b_1m": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),
     "qwen35_27b_4m": ("qwen35_27b_1m", 2, 17 * 2**18, 8192, 16, -1),  # the 4.46M-position stress variant
     "glm5_mla_multinode": ("glm5_mla_multinode", 4, 2**21, 8192, 8, 8),
+    "qwen35_27b_1m_lora": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),  # LoRA variants
+    "glm5_lora": ("glm5_mla_multinode", 4, 2**21, 8192, 32, -1),
 }
 
 
@@ -93,7 +95,10 @@ def test_cluster_recipe_composes_and_validates(name):
     assert actor_dc.longstraw.context_parallel_size == cp_size and actor_dc.longstraw.state_grad_on_host
     assert actor_dc.longstraw.chunk_size == knobs.chunk_size and actor_dc.longstraw.prompt_grad == "exact"
     assert actor_dc.longstraw.preflight and actor_dc.longstraw.memory_budget_gb is None
-    assert actor_dc.engine.offload_policy and actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
+    lora = cfg.actor_rollout_ref.model.lora_rank
+    assert (lora > 0) == name.endswith("_lora")  # the LoRA variants: veRL builds a peft model
+    on_gpu = name == "qwen35_27b_1m_lora"  # no full-model gradients or moments: the base's fp32 shards fit the GPU
+    assert actor_dc.engine.offload_policy != on_gpu and actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
     rollout_dc = omega_conf_to_dataclass(rollout)
     assert rollout_dc.prompt_length == prompt and rollout_dc.response_length == response
 

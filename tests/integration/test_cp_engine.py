@@ -145,6 +145,27 @@ def _run_tree(strategy: str, batch: str, loss_mode: str, model_dir: str, rank: i
     return result
 
 
+LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+def _run_lora(strategy: str, model_dir: str, rank: int, world: int, mbs: int, **knobs) -> dict:
+    """log-probs (padded) and parameters before and after one update_actor step of one engine under LoRA
+    (``LORA``), on this rank's rows (fsdp2) or its CP group's (longstraw)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_longstraw.integration import testing
+
+    cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, **knobs)
+    torch.manual_seed(0)  # peft draws the LoRA A matrices from the global generator: the same everywhere
+    engine = testing.make_engine(strategy, model_dir, cfg, mbs, lora=LORA)
+    before = {n: testing.full(p.detach()).clone() for n, p in engine.module.named_parameters()}
+    td = _batch(rank, world) if strategy == "fsdp2" else _batch(0, 1)
+    out = testing.compute_log_prob(engine, td.clone(), mbs)
+    _, params, _ = testing.train_step(engine, td.clone(), cfg, mbs)
+    return {"log_probs": no_padding_2_padding(out["log_probs"], td) * td["response_mask"], "before": before,
+            "params": params}
+
+
 def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[str, ...], modes: tuple[str, ...]):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     fsdp_mbs = 12 // world  # the stock engine: 12 rows split over every rank, one micro-batch each
@@ -167,6 +188,9 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[s
                 "longstraw", batch, loss_mode, model_dirs["qwen3"], rank, world, context_parallel_size=CP,
                 min_shared_tokens=8, single_forward=single,
             )
+        results["lora", "fsdp2"] = _run_lora("fsdp2", model_dirs["qwen3_next"], rank, world, 12 // world)
+        results["lora", "longstraw"] = _run_lora("longstraw", model_dirs["qwen3_next"], rank, world, 6,
+                                                 context_parallel_size=CP, chunk_size=CHUNK)
     return results
 
 
@@ -257,3 +281,19 @@ def test_two_ranks_trees_match_fsdp2(two_rank_results, case):
         tokens = result["tokens"]
         if batch == "system_prompt":
             assert tokens["tokens_forwarded"] < tokens["star_tokens_forwarded"], tokens
+
+
+def test_two_ranks_lora_matches_fsdp2(two_rank_results):
+    """LoRA (veRL's peft model, qwen3_next) on one CP group of 2 ranks: fsdp2's log-probs and LoRA parameters after
+    the step on every rank, the base parameters unchanged."""
+    from verl_longstraw.integration import testing
+
+    stock = [r["lora", "fsdp2"] for r in two_rank_results]
+    stock_lp = torch.cat([s["log_probs"] for s in stock])
+    for rank, result in enumerate(r["lora", "longstraw"] for r in two_rank_results):
+        assert (result["log_probs"] - stock_lp).abs().max().item() <= 1e-5, rank
+        lora = [n for n in result["params"] if ".lora_" in n]
+        assert lora and testing.rel_diff({n: result["params"][n] for n in lora},
+                                         {n: stock[0]["params"][n] for n in lora}) <= 1e-5, rank
+        assert any((result["params"][n] - result["before"][n]).abs().max() > 0 for n in lora)
+        assert all(torch.equal(result["params"][n], result["before"][n]) for n in result["params"] if n not in lora)

@@ -95,14 +95,16 @@ def actor_config(
     return FSDPActorConfig(strategy="fsdp2", **common)
 
 
-def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1):
-    """An initialized engine: veRL's FSDPEngineWithLMHead (fsdp2) or LongStrawEngine."""
+def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1, lora: dict | None = None):
+    """An initialized engine: veRL's FSDPEngineWithLMHead (fsdp2) or LongStrawEngine; ``lora``: HFModelConfig's
+    LoRA fields (``lora_rank``, ``lora_alpha``, ``target_modules``), which make veRL build a peft model."""
     model_config = HFModelConfig(
         path=model_path,
         load_tokenizer=False,
         use_remove_padding=False,
         enable_gradient_checkpointing=True,
         override_config={"attn_implementation": "sdpa"},
+        **(lora or {}),
     )
     engine_config = config.engine
     engine_config.micro_batch_size_per_gpu = mbs

@@ -9,6 +9,11 @@
 # Roles, Ray and dry runs (LONGSTRAW_DRY_RUN=1): recipes/clusters/launch_recipe.sh.
 set -euo pipefail
 
-# the overlay's rollout DP 4 / EP 32 assume 4 nodes (one CP group each)
-export RECIPE=glm5_mla_multinode NNODES="${NNODES:-4}"
+# RECIPE=glm5_lora: the LoRA variant (one 32-rank CP group over the 4 nodes; its trainer fits, README.md).
+# The overlays' rollout DP 4 / EP 32 assume 4 nodes.
+export RECIPE="${RECIPE:-glm5_mla_multinode}" NNODES="${NNODES:-4}"
+case "$RECIPE" in
+  glm5_mla_multinode | glm5_lora) ;;
+  *) echo "RECIPE must be glm5_mla_multinode or glm5_lora, got $RECIPE" >&2; exit 2 ;;
+esac
 exec bash "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../launch_recipe.sh" "$@"

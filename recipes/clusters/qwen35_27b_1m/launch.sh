@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GRPO with strategy=longstraw, exact, Qwen3.5-27B-class model, context parallel:
 #   RECIPE=qwen35_27b_1m (default): 2^21-token prompts on ONE 8-GPU node (one 8-rank CP group);
-#   RECIPE=qwen35_27b_4m: the 4.46M-position stress variant on TWO 8-GPU nodes (one 16-rank CP group).
+#   RECIPE=qwen35_27b_4m: the 4.46M-position stress variant on TWO 8-GPU nodes (one 16-rank CP group);
+#   RECIPE=qwen35_27b_1m_lora: the 2^21-token recipe with LoRA adapters (rank 64), ONE node.
 # Composed and validated (tests/integration/test_cluster_recipes.py), NOT run on a cluster.
 #
 # One node:   MODEL_PATH=/models/Qwen3.5-27B TRAIN_FILES=/data/train.parquet bash launch.sh [overrides...]
@@ -12,8 +13,8 @@ set -euo pipefail
 
 export RECIPE="${RECIPE:-qwen35_27b_1m}"
 case "$RECIPE" in
-  qwen35_27b_1m) export NNODES="${NNODES:-1}" ;;
+  qwen35_27b_1m | qwen35_27b_1m_lora) export NNODES="${NNODES:-1}" ;;
   qwen35_27b_4m) export NNODES="${NNODES:-2}" ;;
-  *) echo "RECIPE must be qwen35_27b_1m or qwen35_27b_4m, got $RECIPE" >&2; exit 2 ;;
+  *) echo "RECIPE must be qwen35_27b_1m, qwen35_27b_4m or qwen35_27b_1m_lora, got $RECIPE" >&2; exit 2 ;;
 esac
 exec bash "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../launch_recipe.sh" "$@"
