@@ -6,7 +6,7 @@ import torch
 from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
-from verl_longstraw.tiny import DENSE_VARIANTS, MOE_VARIANTS, VOCAB, tiny_model
+from verl_longstraw.tiny import DENSE_VARIANTS, VARIANTS, VOCAB, tiny_model
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
@@ -28,10 +28,10 @@ def test_memory_flat_in_group_size(family, prompt_grad, chunk_size):
 
 
 @pytest.mark.parametrize("response_lens", [(12, 5), (12,)])
-@pytest.mark.parametrize("family", DENSE_VARIANTS + MOE_VARIANTS)
+@pytest.mark.parametrize("family", DENSE_VARIANTS + VARIANTS)
 def test_dense_variants_match_standard(family, response_lens):
-    """The other dense model types and the MoE variants (one and several responses, chunked): log-probs and the
-    exact gradient of the standard path."""
+    """The other dense model types and ``tiny.VARIANTS`` (MoE variants, DeepSeek-V3.2; one and several responses,
+    chunked): log-probs and the exact gradient of the standard path."""
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, 150, response_lens)
     lp = group_log_probs(model, prompt, responses, chunk_size=64).log_probs
@@ -66,7 +66,7 @@ def test_qwen3_5_vision_language_checkpoint_on_text(family):
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa", "deepseek_v32"])
 def test_mla_state_is_latent_only(family):
     model = tiny_model(family)
     config = model.config
@@ -74,7 +74,7 @@ def test_mla_state_is_latent_only(family):
     state = capture_prompt(model, torch.randint(0, VOCAB, (prompt_len + 1,)), chunk_size=16, for_backward=False)
     elements = sum(t.numel() for t in state.tensors())
     latent = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * prompt_len
-    indexer = config.index_head_dim * config.num_hidden_layers * prompt_len if family == "glm_moe_dsa" else 0
+    indexer = config.index_head_dim * config.num_hidden_layers * prompt_len if family != "deepseek_v3" else 0
     assert elements == latent + indexer
 
 
@@ -116,19 +116,25 @@ def test_gradient_checkpointing_keeps_prompt_state():
         assert relative_error(grads_of(model), expected) < 1e-5
 
 
-def test_sparse_dsa_selection_matches_full_forward():
-    """GLM-MoE-DSA with index_topk below the sequence length: replay selects the same keys.
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_sparse_dsa_selection_matches_full_forward(family):
+    """GLM-MoE-DSA and DeepSeek-V3.2 (split-half rope in its indexer) with index_topk below the sequence length:
+    replay selects the same keys, so log-probs and the exact gradient are the standard path's.
 
     Index scores are ReLU'd per indexer head, so with few heads many keys tie at exactly 0
     and top-k may break those ties differently for different query lengths (in the model
     itself too). Sixteen indexer heads make exact ties improbable.
     """
-    model = tiny_model("glm_moe_dsa", index_topk=24, index_n_heads=16)
-    prompt, responses = make_group(VOCAB, 60, (9,))
-    lp = group_log_probs(model, prompt, responses, chunk_size=25).log_probs[0]
+    model = tiny_model(family, index_topk=24, index_n_heads=16)
+    prompt, responses = make_group(VOCAB, 60, (9, 4))
+    lp = group_log_probs(model, prompt, responses, chunk_size=25).log_probs
     with torch.no_grad():
-        expected = full_log_probs(model, prompt, responses[0])[0]
-    assert (lp - expected).abs().max() < 1e-5
+        expected = [full_log_probs(model, prompt, r)[0] for r in responses]
+    assert max(float((a - b).abs().max()) for a, b in zip(lp, expected, strict=True)) < 1e-5
+    reference = standard_grads(model, prompt, responses, weighted_loss)
+    model.zero_grad(set_to_none=True)
+    group_backward(model, prompt, responses, weighted_loss, chunk_size=25)
+    assert relative_error(grads_of(model), reference) < 1e-5
 
 
 @pytest.fixture(scope="module")

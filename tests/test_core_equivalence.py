@@ -13,7 +13,7 @@ from verl_longstraw.testing import (
     standard_grads,
     weighted_loss,
 )
-from verl_longstraw.tiny import FAMILIES, MOE_VARIANTS, VOCAB, tiny_model
+from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_model
 
 PROMPT_LEN = 301
 RESPONSE_LENS = (17, 1, 40)
@@ -22,7 +22,7 @@ FLOAT64_GRAD_TOL = 2 * torch.finfo(torch.float32).eps  # see test_exact_gradient
 DETACHED_ERROR_MIN = 0.05  # detached vs standard gradient, relative L2: measured 0.19-0.41 on these models
 
 
-@pytest.fixture(scope="module", params=FAMILIES + MOE_VARIANTS)
+@pytest.fixture(scope="module", params=FAMILIES + VARIANTS)
 def model(request):
     return tiny_model(request.param)
 
@@ -95,7 +95,7 @@ def test_entropy_in_loss(model, group):
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES + MOE_VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_exact_gradient_float64(family, monkeypatch):
     """Float64 models: the exact gradient matches within FLOAT64_GRAD_TOL (the float32 tests allow 1e-5).
 

@@ -34,7 +34,7 @@ from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import REPLAY_TOKENS, star_plan, tree_plan
 from verl_longstraw.state import PathState
 from verl_longstraw.testing import make_group, weighted_loss
-from verl_longstraw.tiny import FAMILIES, MOE_VARIANTS, VOCAB, tiny_config, tiny_model
+from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_config, tiny_model
 
 RESPONSE_LEN = 32
 CASES = (
@@ -42,7 +42,7 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("family", FAMILIES + MOE_VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_estimate_matches_meter(family, record_property):
     for dtype, prompt_len, chunk_size, mode in CASES:
         model = tiny_model(family, dtype=dtype)

@@ -22,7 +22,7 @@ from verl_longstraw.testing import (
     standard_grads,
     weighted_loss,
 )
-from verl_longstraw.tiny import FAMILIES, MOE_VARIANTS, VOCAB, tiny_model
+from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_model
 
 PROMPT_LEN = 130
 RESPONSE_LENS = (11, 1, 30)
@@ -114,7 +114,7 @@ def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
     assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
 
 
-@pytest.mark.parametrize("family", FAMILIES + MOE_VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_bfloat16_matches_float32_standard(family, record_property):
     """bf16 replay (chunked exact) vs the fp32 standard path: no worse than the bf16 standard path
     on the same machine (its error depends on the CPU's bf16 kernels), and sane in absolute terms."""

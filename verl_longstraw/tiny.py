@@ -77,7 +77,7 @@ def _base_config(family: str):
             **COMMON, **moe, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
         )
-    if family in ("deepseek_v3", "glm_moe_dsa"):
+    if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         mla = dict(
             num_hidden_layers=3,
             num_attention_heads=4,
@@ -96,6 +96,9 @@ def _base_config(family: str):
         )
         if family == "deepseek_v3":
             return transformers.DeepseekV3Config(**COMMON, **mla)
+        if family == "deepseek_v32":  # DeepSeek-V3.2: a DSA indexer on every layer (split-half rope in it)
+            return transformers.DeepseekV32Config(**COMMON, **mla, index_topk=4096, index_n_heads=2,
+                                                  index_head_dim=16)
         return transformers.GlmMoeDsaConfig(
             **COMMON, **mla, index_topk=4096, index_n_heads=2, index_head_dim=16
         )
@@ -104,7 +107,8 @@ def _base_config(family: str):
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
-MOE_VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe")  # the dense and hybrid adapters over MoE blocks
+# the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA
+VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

@@ -69,12 +69,12 @@ def _sparse_selection(
 
 @register
 class MultiHeadLatentAttentionAdapter(Adapter):
-    model_types = ("deepseek_v3", "glm_moe_dsa")
+    model_types = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
     absorbed = True
 
     def _runs_indexer(self, idx: int) -> bool:
         attn = self.layers[idx].self_attn
-        return getattr(attn, "indexer", None) is not None and not attn.skip_topk
+        return getattr(attn, "indexer", None) is not None and not getattr(attn, "skip_topk", False)  # v3.2: none
 
     def mixer(self, idx: int) -> Mixer:
         """The absorbed attention's call shape: every head's latent-space query over one key head of the latent
