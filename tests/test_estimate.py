@@ -395,3 +395,16 @@ def test_adapter_mixers_are_the_calls_the_layers_make(family, monkeypatch):
     assert calls == [(m.q_heads, m.kv_heads, m.qk_dim, m.v_dim) for m in mixers if m.kind != "gated_delta"]
     gated = [m.gated_output for m in mixers if m.kind == "attention"]
     assert gated == [model.config.model_type in ("qwen3_next", "qwen3_5", "qwen3_5_text")] * len(gated)
+
+
+def test_glm_5_2_shared_indexer_state_per_token():
+    """GLM-5.2's layout (GLM-5 dims, the DSA indexer on 21 of the 78 layers, the others reusing its top-k; which
+    21 does not change the bytes): 93.0 KiB of prompt state per token in bf16 (the latent and rope key on every
+    layer, indexer keys on 21), against GLM-5's 107.25 KiB with an indexer on every layer."""
+    full = transformers.GlmMoeDsaConfig(max_position_embeddings=1 << 20)
+    shared = transformers.GlmMoeDsaConfig(max_position_embeddings=1 << 20,
+                                          indexer_types=(["full"] + ["shared"] * 3) * 19 + ["full"] * 2)
+    assert shared.indexer_types.count("full") == 21 and len(shared.indexer_types) == 78
+    per_token = {name: estimate_memory(c, 4097, 1, 8, None, "exact", torch.bfloat16).state_bytes / 4096 / 1024
+                 for name, c in (("glm5", full), ("glm5.2", shared))}
+    assert per_token == {"glm5": 107.25, "glm5.2": 93.0}
