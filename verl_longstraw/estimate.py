@@ -230,10 +230,9 @@ class _Shapes:
         summary = padded * self.gdn_rule_token_bytes(dv + dk, GDN_SUMMARY)
         return summary + self.cp_size * heads * dk * (2 * dv + dk) * self.compute
 
-    def attention_call(self, idx: int, batch: int, tokens: int, prefix: int) -> AttentionCall:
-        """The ``ops.attention.prefix_causal_attention`` call of attention layer ``idx`` for ``batch`` sequences of
-        ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
-        m = self.mixers[idx]
+    def attention_call(self, m: Mixer, batch: int, tokens: int, prefix: int) -> AttentionCall:
+        """The ``ops.attention.prefix_causal_attention`` call of an attention layer with mixer ``m`` for ``batch``
+        sequences of ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
         return AttentionCall(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, prefix, batch > 1 and prefix > 0,
                              False, self.dtype, self.fused_dtypes[m])
 
@@ -285,8 +284,7 @@ class _Shapes:
             if not self.pass_q_fused(m):
                 continue
             if self.cp_size == 1:
-                call = AttentionCall(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, prefix,
-                                     batch > 1 and prefix > 0, False, self.dtype, self.fused_dtypes[m])
+                call = self.attention_call(m, batch, tokens, prefix)
                 if attention_path(call) != "fused":
                     continue
                 one = fused_backward_transient_bytes(self.device_type, self.dtype, batch, m.q_heads, m.kv_heads,
@@ -363,7 +361,7 @@ class _Shapes:
                                                       fused, row_bytes * state_len, row_bytes * tokens)
                 total += saves.local - tokens * m.q_heads * (m.qk_dim if fused else m.qk_dim + m.v_dim) * self.act
                 continue
-            call = self.attention_call(idx, batch, tokens, prefix)
+            call = self.attention_call(self.mixers[idx], batch, tokens, prefix)
             saves = attention_saved_bytes(call, row_bytes * state_len, row_bytes * batch * tokens)
             total += saves.own
             if saves.shared:

@@ -172,6 +172,7 @@ class Adapter(ABC):
 
     model_types: tuple[str, ...] = ()
     weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
+    layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``mix`` runs (None: not read)
 
     def __init__(self, model: nn.Module):
         self.model = model  # the module called (FSDP2's root hooks; a peft model's wrapper)
@@ -213,6 +214,12 @@ class Adapter(ABC):
             )
         if getattr(self.config, "final_logit_softcapping", None):
             raise UnsupportedModelError(f"{self.config.model_type}: final_logit_softcapping is not supported.")
+        unknown = sorted(set(getattr(self.config, "layer_types", None) or []) - set(self.layer_types or ()))
+        if self.layer_types is not None and unknown:
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
+                f"adapter runs {' and '.join(self.layer_types)} layers)"
+            )
         check_lora(self.model, self.weights_read)
 
     def check_length(self, total: int) -> None:

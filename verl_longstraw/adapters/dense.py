@@ -64,21 +64,15 @@ def attention_mix(
 @register
 class DenseAttentionAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+    layer_types = ("full_attention",)
 
     def check_supported(self) -> None:
-        super().check_supported()
-        types = getattr(self.config, "layer_types", None) or []
-        if "sliding_attention" in types:
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or []):
             raise UnsupportedModelError(
                 f"{self.config.model_type}: sliding-window layers (config.layer_types) are not supported; "
                 "use a config without use_sliding_window."
             )
-        unknown = sorted(set(types) - {"full_attention"})
-        if unknown:
-            raise UnsupportedModelError(
-                f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
-                "adapter runs full_attention layers only)"
-            )
+        super().check_supported()
 
     def check_length(self, total: int) -> None:
         """Mistral and Qwen3-MoE apply ``config.sliding_window`` to every layer (no ``layer_types``): exact only

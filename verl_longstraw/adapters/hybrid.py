@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UnsupportedModelError
 from ..state import Fixed, LayerState, StateKind
 from .base import Adapter, Mixer, SegmentContext, per_sequence, register
 from .dense import attention_mix, attention_mixer, kv_kinds
@@ -72,15 +71,7 @@ def gated_deltanet_mix(
 class HybridGatedDeltaNetAdapter(Adapter):
     model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (gated_deltanet_mix)
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        unknown = sorted(set(self.config.layer_types) - {"full_attention", "linear_attention"})
-        if unknown:
-            raise UnsupportedModelError(
-                f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
-                "adapter runs full_attention and linear_attention layers)"
-            )
+    layer_types = ("full_attention", "linear_attention")
 
     def _is_linear(self, idx: int) -> bool:
         return self.config.layer_types[idx] == "linear_attention"
