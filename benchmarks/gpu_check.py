@@ -6,7 +6,8 @@ memory and time at growing prompt length, under a hard time budget.
 
 Stages (each gets a share of ``--budget-seconds``, 480 s by default; ``--<stage>-seconds`` override it):
 1. equivalence: tiny random models of every family (glm_moe_dsa with ``index_topk`` below the prompt, so
-   DSA's sparse top-k selection runs) against the float32 standard full-sequence path: replay log-probs
+   DSA's sparse top-k selection runs), and of each ``VARIANTS`` case (glm_moe_dsa with GLM-5.2's shared indexer
+   layers), against the float32 standard full-sequence path: replay log-probs
    (``group_log_probs``) and chunked exact gradients (``group_backward``) of the model in float32 (within
    TOLERANCE), cast to bfloat16, and in float32 under ``torch.autocast(bfloat16)`` as veRL's engine runs
    it. The bfloat16 rows pass when no worse than the standard path's own error in the same dtype / under
@@ -106,12 +107,16 @@ TINY_FAMILY = {"qwen3_like": "qwen3", "glm5_like": "glm_moe_dsa"}  # metered CPU
 TOLERANCE = 1e-4  # float32: max |log p| error and gradient relative L2
 # DSA's top-k selection below the prompt length; 16 indexer heads make exact score ties improbable
 OVERRIDES = {"glm_moe_dsa": {"index_topk": 24, "index_n_heads": 16}}
+# equivalence cases besides one per family: name -> (family, config fields set on top of the family's OVERRIDES).
+# GLM-5.2's DSA layout (transformers' GlmMoeDsaConfig.indexer_types) on the 3-layer tiny model: the first layer runs
+# its indexer, the other two reuse its top-k selection ("shared": no indexer, no indexer keys in the prompt state)
+VARIANTS = {"glm_moe_dsa_shared_indexer": ("glm_moe_dsa", {"indexer_types": ["full", "shared", "shared"]})}
 # Groups (random prompts and responses) per row for families whose half-precision error is dominated by discrete
 # top-k selection: a near-tie that rounds the other way swaps a selected key and moves that token's log-prob by
 # orders of magnitude more than rounding does, on either path, so one group's max errors compare the paths' luck
 # more than their arithmetic (tiny glm_moe_dsa under FSDP2, seeds 0-3: replay/standard log-prob error 2.9, 1.0,
 # 1.6, 0.8). Such a row compares each path's largest error over the groups.
-SELECTION_GROUPS = {"glm_moe_dsa": 3}
+SELECTION_GROUPS = {"glm_moe_dsa": 3}  # per family, its VARIANTS cases included
 SHARES = {"equivalence": 0.25, "fsdp2": 0.15, "ops": 0.1, "scale": 0.5}  # of the budget after RESERVE_SECONDS
 RESERVE_SECONDS = 30.0  # CUDA teardown, the last report and a backward that overruns its case (the imports are on
 # the clock already)
@@ -289,12 +294,19 @@ def error_row(errors: dict, passed: bool) -> dict:
             "passed": passed}
 
 
-def row_groups(family: str, prompt_len: int, device: torch.device) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """The (prompt, responses) groups one row of ``family`` compares on (``SELECTION_GROUPS``; one otherwise):
-    a prompt of ``prompt_len`` tokens and three responses of about a tenth, one and a fifth of it."""
+def case_config(case: str) -> tuple[str, dict]:
+    """(family, tiny-config overrides) of equivalence / FSDP2 case ``case``: a family with its ``OVERRIDES``, or a
+    ``VARIANTS`` entry's family with its fields on top of them."""
+    family, fields = VARIANTS.get(case, (case, {}))
+    return family, {**OVERRIDES.get(family, {}), **fields}
+
+
+def row_groups(case: str, prompt_len: int, device: torch.device) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The (prompt, responses) groups one row of ``case`` compares on (``SELECTION_GROUPS`` of its family; one
+    otherwise): a prompt of ``prompt_len`` tokens and three responses of about a tenth, one and a fifth of it."""
     lengths = (prompt_len // 10 + 1, 1, prompt_len // 5)
     return [make_group(VOCAB, prompt_len, lengths, seed=seed, device=device)
-            for seed in range(SELECTION_GROUPS.get(family, 1))]
+            for seed in range(SELECTION_GROUPS.get(case_config(case)[0], 1))]
 
 
 def largest_errors(groups: list, errors_of: Callable[[torch.Tensor, list[torch.Tensor]], dict]) -> dict:
@@ -303,16 +315,17 @@ def largest_errors(groups: list, errors_of: Callable[[torch.Tensor, list[torch.T
     return {k: max(errors[k] for errors in per_group) for k in per_group[0]}
 
 
-def equivalence_case(models: dict, family: str, name: str, device: torch.device, groups: list,
+def equivalence_case(models: dict, case: str, name: str, device: torch.device, groups: list,
                      chunk_size: int) -> dict:
-    """One equivalence row's errors (largest over ``groups``, ``row_groups``) and verdict (``models`` caches the
-    family's float32 model between its dtypes); the standard path's Gated DeltaNet is the reference recurrence
-    (``reference_linear_attention``)."""
-    if family not in models:
+    """One equivalence row's errors (largest over ``groups``, ``row_groups``) and verdict for ``case`` (a family or a
+    ``VARIANTS`` name) in dtype ``name``; ``models`` caches the case's float32 model between its dtypes. The
+    standard path's Gated DeltaNet is the reference recurrence (``reference_linear_attention``)."""
+    if case not in models:
         models.clear()
+        family, overrides = case_config(case)
         with device:
-            models[family] = tiny_model(family, **OVERRIDES.get(family, {}))
-    reference = models[family]
+            models[case] = tiny_model(family, **overrides)
+    reference = models[case]
     with reference_linear_attention(reference):
         if name == AUTOCAST:
             errors = largest_errors(groups, lambda prompt, responses: errors_in(
@@ -326,10 +339,11 @@ def equivalence_case(models: dict, family: str, name: str, device: torch.device,
     return error_row(errors, no_worse_than_standard(errors, dtype))
 
 
-def fla_shapes(family: str, dtype: torch.dtype) -> set[tuple]:
+def fla_shapes(case: str, dtype: torch.dtype) -> set[tuple]:
     """The (key heads, value heads, key dim, value dim, dtype) at which replay runs the gated delta rule of
-    ``family``'s tiny model in ``dtype`` (empty for a family without Gated DeltaNet layers)."""
-    config = tiny_config(family, **OVERRIDES.get(family, {}))
+    ``case``'s tiny model (``case_config``) in ``dtype`` (empty for a model without Gated DeltaNet layers)."""
+    family, overrides = case_config(case)
+    config = tiny_config(family, **overrides)
     if not hasattr(config, "linear_num_value_heads"):
         return set()
     return {(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
@@ -378,17 +392,18 @@ def warmed_attempt(device: torch.device, shapes: set[tuple], deadline: float, ca
 
 def equivalence(device: torch.device, families: tuple[str, ...], prompt_len: int, deadline: float,
                 record: Callable[[dict], None]) -> None:
-    """Replay vs the float32 standard path, per family and dtype (float32, bfloat16, float32 under bfloat16
-    autocast), with the standard path's own errors in that dtype / under that autocast; each row ``record``-ed."""
-    cases = [(family, name) for family in families for name in ("float32", "bfloat16", AUTOCAST)]
+    """Replay vs the float32 standard path, per case (each of ``families``, then each ``VARIANTS`` entry) and dtype
+    (float32, bfloat16, float32 under bfloat16 autocast), with the standard path's own errors in that dtype / under
+    that autocast; each row ``record``-ed, its ``family`` the case's name."""
+    rows = [(case, name) for case in (*families, *VARIANTS) for name in ("float32", "bfloat16", AUTOCAST)]
     models: dict = {}
-    for index, (family, name) in enumerate(cases):
-        groups = row_groups(family, prompt_len, device)
-        case = functools.partial(equivalence_case, models, family, name, device, groups, prompt_len // 3)
-        shapes = set() if name == "float32" else fla_shapes(family, torch.bfloat16)  # autocast: bf16 GDN inputs
+    for index, (case, name) in enumerate(rows):
+        groups = row_groups(case, prompt_len, device)
+        run = functools.partial(equivalence_case, models, case, name, device, groups, prompt_len // 3)
+        shapes = set() if name == "float32" else fla_shapes(case, torch.bfloat16)  # autocast: bf16 GDN inputs
         started = time.monotonic()
-        row, failure = warmed_attempt(device, shapes, deadline, len(cases) - index, case)
-        record({"family": family, "dtype": name, "groups": len(groups), **(row or failure),
+        row, failure = warmed_attempt(device, shapes, deadline, len(rows) - index, run)
+        record({"family": case, "dtype": name, "groups": len(groups), **(row or failure),
                 "seconds": time.monotonic() - started})
 
 
@@ -422,11 +437,12 @@ def fsdp2_wrap(model, device: torch.device):
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def fsdp2_case(family: str, device: torch.device, groups: list, chunk_size: int) -> dict:
-    """One FSDP2 row's errors (largest over ``groups``, ``row_groups``) and verdict; the standard path's Gated
-    DeltaNet is the reference recurrence."""
+def fsdp2_case(case: str, device: torch.device, groups: list, chunk_size: int) -> dict:
+    """One FSDP2 row's errors (largest over ``groups``, ``row_groups``) and verdict for ``case`` (``case_config``);
+    the standard path's Gated DeltaNet is the reference recurrence."""
+    family, overrides = case_config(case)
     with device:
-        reference = tiny_model(family, **OVERRIDES.get(family, {}))
+        reference = tiny_model(family, **overrides)
     with reference_linear_attention(reference):
         model = fsdp2_wrap(copy.deepcopy(reference), device)
         errors = largest_errors(groups, lambda prompt, responses: errors_in(

@@ -91,11 +91,13 @@ def test_gpu_check_tiny_on_a_bare_machine(tmp_path):
     rows = result["equivalence"]
     assert all(_compared(r) for r in rows), rows
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16", gpu_check.AUTOCAST}
-    # float32 and bfloat16-cast replay pass on every family; every glm_moe_dsa row (sparse top-k selection) passes.
-    # The autocast rows of the dense families are reported, not required: on CPU their replay errs ~2x the standard
-    # path under autocast (gradients of every parameter, lm_head's included), see the report for the GPU's.
-    assert all(r["passed"] for r in rows if r["dtype"] != gpu_check.AUTOCAST or r["family"] == "glm_moe_dsa"), rows
-    assert {r["family"] for r in rows} >= {"glm_moe_dsa"}
+    # float32 and bfloat16-cast replay pass on every family; every glm_moe_dsa row (sparse top-k selection), the
+    # shared-indexer case's included, passes. The autocast rows of the dense families are reported, not required: on
+    # CPU their replay errs ~2x the standard path under autocast (gradients of every parameter, lm_head's included),
+    # see the report for the GPU's.
+    dsa = [r for r in rows if gpu_check.case_config(r["family"])[0] == "glm_moe_dsa"]
+    assert all(r["passed"] for r in rows if r["dtype"] != gpu_check.AUTOCAST or r in dsa), rows
+    assert {r["family"] for r in dsa} == {"glm_moe_dsa", "glm_moe_dsa_shared_indexer"}
     assert gpu_check.OVERRIDES["glm_moe_dsa"]["index_topk"] < 64  # below the tiny prompt: selection runs
     fsdp = result["fsdp2"]  # the FSDP2 helpers run without veRL
     assert [r["family"] for r in fsdp] == ["qwen3", "glm_moe_dsa"] and all(_compared(r) for r in fsdp), fsdp
@@ -144,7 +146,7 @@ def test_failing_cases_and_stages_are_recorded_and_a_lost_device_ends_the_run(tm
     report = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
     assert report["equivalence"] == result["equivalence"]
     failed = [r for r in report["equivalence"] if "skipped" in r]
-    assert len(report["equivalence"]) == 12 and [(r["family"], r["dtype"]) for r in failed] == [("qwen3_5", "bfloat16")]
+    assert len(report["equivalence"]) == 15 and [(r["family"], r["dtype"]) for r in failed] == [("qwen3_5", "bfloat16")]
     assert failed[0]["skipped"] == "error: ValueError: injected case failure"
     assert "in equivalence_case" in failed[0]["traceback"], failed
     assert report["fsdp2"] == [] and "injected NCCL failure" in report["stage_errors"]["fsdp2"]
@@ -157,6 +159,18 @@ def test_failing_cases_and_stages_are_recorded_and_a_lost_device_ends_the_run(tm
     capsys.readouterr()
     assert gpu_check.exit_status(result) == 1 and "fsdp2, scale" in capsys.readouterr().err
     assert gpu_check.exit_status({"stages_that_compared_nothing": []}) == 0
+
+
+def test_the_shared_indexer_case_runs_glm_5_2s_layout():
+    """The glm_moe_dsa_shared_indexer case is GLM-5.2's DSA layout at tiny size: the first of the 3 layers runs its
+    indexer, the others reuse its top-k selection, which runs (index_topk below the tiny prompt); its rows compare
+    the largest errors over the family's SELECTION_GROUPS groups, as glm_moe_dsa's do."""
+    family, overrides = gpu_check.case_config("glm_moe_dsa_shared_indexer")
+    assert family == "glm_moe_dsa" and overrides["index_topk"] < 64
+    model = tiny_model(family, **overrides)
+    assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, True]
+    groups = gpu_check.row_groups("glm_moe_dsa_shared_indexer", 64, torch.device("cpu"))
+    assert len(groups) == gpu_check.SELECTION_GROUPS["glm_moe_dsa"] > 1
 
 
 def test_a_case_past_its_time_is_interrupted():

@@ -4,15 +4,17 @@ checks that they still are.
 
     python recipes/clusters/memory_table.py qwen35_27b_1m            # the recipe's per-GPU table
     python recipes/clusters/memory_table.py --sweep qwen35_27b_4m    # the same step under other knobs
+    python recipes/clusters/memory_table.py --model GLM-5.2 glm5_mla_multinode   # the step with other dims
     python recipes/clusters/memory_table.py --write                  # rewrite the README blocks
 
 A README block is the output of the command in its opening comment, up to ``<!-- end -->``:
-``<!-- python recipes/clusters/memory_table.py [--sweep] NAME -->``.
+``<!-- python recipes/clusters/memory_table.py [--sweep] [--model MODEL] NAME -->``.
 
 Each overlay is composed on ``longstraw_grpo`` (as its launch.sh applies it) and the table reads the
 composed config: prompt/response lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s
 offload and mixed precision, gradient checkpointing, GPUs per node. A recipe does not name the model's
-dimensions (the model path is the user's), so ``MODELS`` states them; ``GPU_BYTES`` the GPU's memory.
+dimensions (the model path is the user's), so ``MODELS`` names each recipe's model, whose dims ``CONFIGS`` states
+(``--model`` puts another's in its place); ``GPU_BYTES`` the GPU's memory.
 Memory is in GiB (2^30 bytes); GPU sizes are vendors' GB (10^9 bytes).
 """
 
@@ -57,19 +59,28 @@ def qwen35_27b() -> transformers.PretrainedConfig:
     )
 
 
-def glm5() -> transformers.PretrainedConfig:
+def glm5(**fields: object) -> transformers.PretrainedConfig:
     """GLM-5 as transformers' GlmMoeDsaConfig defaults describe it: 78 MLA layers (64 heads, latent 512 +
-    rope 64, DSA indexer 32 heads of 128), 3 dense then 75 MoE layers of 256 routed experts (top 8) + 1
-    shared, hidden 6144, vocabulary 154880, untied embeddings."""
-    return transformers.GlmMoeDsaConfig(max_position_embeddings=1 << 23)
+    rope 64, DSA indexer 32 heads of 128 on every layer), 3 dense then 75 MoE layers of 256 routed experts
+    (top 8) + 1 shared, hidden 6144, vocabulary 154880, untied embeddings; ``fields`` set other config fields."""
+    return transformers.GlmMoeDsaConfig(max_position_embeddings=1 << 23, **fields)
 
 
-MODELS: dict[str, tuple[str, Callable[[], transformers.PretrainedConfig]]] = {
-    "qwen35_27b_1m": ("Qwen3.5-27B", qwen35_27b),
-    "qwen35_27b_4m": ("Qwen3.5-27B", qwen35_27b),
-    "qwen35_27b_1m_lora": ("Qwen3.5-27B", qwen35_27b),
-    "glm5_mla_multinode": ("GLM-5", glm5),
-    "glm5_lora": ("GLM-5", glm5),
+def glm5_2() -> transformers.PretrainedConfig:
+    """GLM-5.2: GLM-5's dims (``glm5``) with the DSA indexer on 21 of the 78 layers, transformers' every-4th
+    schedule (``index_topk_freq`` 4: layers 0, 1, 5, 9, ..., 77); the other 57 reuse the top-k selection of the
+    indexer layer before them (``indexer_types`` "shared"), so they hold no indexer weights and no indexer keys
+    in the prompt state (bf16: 93 KiB per token, against GLM-5's 107.25). Which 21 layers does not change the
+    bytes; assumed, not read from a checkpoint."""
+    return glm5(index_topk_freq=4)
+
+
+CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {  # a model's name: its dims
+    "Qwen3.5-27B": qwen35_27b, "GLM-5": glm5, "GLM-5.2": glm5_2,
+}
+MODELS = {  # each recipe's model (a CONFIGS name)
+    "qwen35_27b_1m": "Qwen3.5-27B", "qwen35_27b_4m": "Qwen3.5-27B", "qwen35_27b_1m_lora": "Qwen3.5-27B",
+    "glm5_mla_multinode": "GLM-5", "glm5_lora": "GLM-5",
 }
 GPU_BYTES = {  # 96 GB; H200 141 GB
     "qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "qwen35_27b_1m_lora": 96e9, "glm5_mla_multinode": 141e9,
@@ -105,24 +116,25 @@ SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fie
 
 
 @cache
-def _model(name: str) -> tuple:
-    """(config, adapter on the meta device) of the recipe's model, built once per process."""
-    config = MODELS[name][1]()
+def _model(model: str) -> tuple:
+    """(config, adapter on the meta device) of ``model`` (a CONFIGS name), built once per process."""
+    config = CONFIGS[model]()
     return config, adapter_on_meta(config)
 
 
 @cache
-def _parameters(name: str, lora: Lora):
-    """The recipe model's parameter counts under ``lora``, built once per process."""
-    return parameter_counts(_model(name)[0], lora)
+def _parameters(model: str, lora: Lora):
+    """``model``'s parameter counts under ``lora``, built once per process."""
+    return parameter_counts(_model(model)[0], lora)
 
 
-def memory(name: str, cfg: DictConfig, **change) -> GpuTable:
-    """The per-GPU memory of recipe ``name`` (composed: ``cfg``), with ``change`` to its Training knobs."""
-    config, adapter = _model(name)
+def memory(name: str, cfg: DictConfig, model: str, **change) -> GpuTable:
+    """The per-GPU memory of recipe ``name`` (composed: ``cfg``) on ``model``'s dims (a CONFIGS name), with
+    ``change`` to its Training knobs."""
+    config, adapter = _model(model)
     run = dataclasses.replace(training(cfg), **change)
     return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter,
-                     _parameters(name, run.lora))
+                     _parameters(model, run.lora))
 
 
 def compose_recipe(name: str) -> DictConfig:
@@ -162,30 +174,46 @@ def describe(run: Training) -> str:
             + (f", LoRA rank {run.lora.rank} on {run.lora.target_modules}" if run.lora.rank else ""))
 
 
-def table(name: str) -> str:
-    """The recipe's per-GPU table (markdown), headed by the model and the knobs it was computed for."""
-    cfg = compose_recipe(name)
+def table(name: str, model: str | None = None) -> str:
+    """The recipe's per-GPU table (markdown) on ``model``'s dims (the recipe's model, MODELS, by default), headed
+    by the model and the knobs it was computed for."""
+    cfg, model = compose_recipe(name), model or MODELS[name]
     nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {GPU_BYTES[name] / 1e9:g} GB"
-    return f"{MODELS[name][0]} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg).markdown()}"
+    return f"{model} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg, model).markdown()}"
 
 
-def sweep(name: str) -> str:
-    """The recipe's step under the knobs of ``SWEEPS[name]``: device peak and host per rank (markdown)."""
-    cfg = compose_recipe(name)
-    lines = [f"{MODELS[name][0]} ({name}), changed from the recipe's knobs:", "",
+def sweep(name: str, model: str | None = None) -> str:
+    """The recipe's step on ``model``'s dims (as ``table``) under the knobs of ``SWEEPS[name]``: device peak and
+    host per rank (markdown)."""
+    cfg, model = compose_recipe(name), model or MODELS[name]
+    lines = [f"{model} ({name}), changed from the recipe's knobs:", "",
              "| knobs | device peak GiB | host GiB per rank | fits |", "|---|---:|---:|---|"]
     for change in [{}, *SWEEPS[name]]:
-        m = memory(name, cfg, **change)
+        m = memory(name, cfg, model, **change)
         knobs = ", ".join(f"{k}={v}" for k, v in change.items()) or "(the recipe)"
         fits = "yes" if m.peak <= m.gpu_bytes else "no"
         lines.append(f"| {knobs} | {m.peak / GIB:.2f} | {m.host / GIB:.2f} | {fits} |")
     return "\n".join(lines)
 
 
+def command_line() -> argparse.ArgumentParser:
+    """The command line of this script (a README block's opening comment holds one, without ``--write``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipes", nargs="*", default=sorted(MODELS), help="recipe overlay names (all by default)")
+    parser.add_argument("--sweep", action="store_true", help="the step under other knobs instead of the table")
+    parser.add_argument("--model", choices=sorted(CONFIGS), help="these dims instead of each recipe's model")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks of recipes/clusters/*/README.md")
+    return parser
+
+
+def output(args: argparse.Namespace) -> str:
+    """What the command line ``args`` prints: each recipe's table, or sweep with ``--sweep``."""
+    return "\n\n".join((sweep if args.sweep else table)(name, args.model) for name in args.recipes)
+
+
 def rendered(args: str) -> str:
-    """The output of ``memory_table.py ARGS`` (one recipe, optionally ``--sweep``), as a README block holds it."""
-    *flags, name = args.split()
-    return sweep(name) if flags == ["--sweep"] else table(name)
+    """The output of ``memory_table.py ARGS`` (one recipe), as a README block holds it."""
+    return output(command_line().parse_args(args.split()))
 
 
 def rewrite(text: str) -> str:
@@ -194,16 +222,12 @@ def rewrite(text: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipes", nargs="*", default=sorted(MODELS), help="recipe overlay names (all by default)")
-    parser.add_argument("--sweep", action="store_true", help="the step under other knobs instead of the table")
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks of recipes/clusters/*/README.md")
-    args = parser.parse_args()
+    args = command_line().parse_args()
     if args.write:
         for readme in sorted(CLUSTERS.glob("*/README.md")):
             readme.write_text(rewrite(readme.read_text()))
         return
-    print("\n\n".join((sweep if args.sweep else table)(name) for name in args.recipes))
+    print(output(args))
 
 
 if __name__ == "__main__":

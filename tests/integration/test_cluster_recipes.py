@@ -222,7 +222,8 @@ def _memory_table():
 
 def test_readme_memory_tables_match_the_estimate():
     """Every table block in recipes/clusters/*/README.md is what memory_table.py prints now (from
-    verl_longstraw.estimate), character for character; every cluster recipe has its table."""
+    verl_longstraw.estimate), character for character; every cluster recipe has its table, and the GLM-5 recipe
+    one on GLM-5.2's dims (the DSA indexer on 21 of 78 layers)."""
     memory_table = _memory_table()
     assert set(memory_table.MODELS) == set(memory_table.GPU_BYTES) == set(memory_table.SWEEPS) == set(CLUSTER_RECIPES)
     tabled = set()
@@ -236,7 +237,10 @@ def test_readme_memory_tables_match_the_estimate():
             )
             tabled.add(block["args"])
         assert memory_table.rewrite(text) == text
-    assert tabled == {f"{flag}{name}" for name in CLUSTER_RECIPES for flag in ("", "--sweep ")}
+    assert tabled == {f"{flag}{name}" for name in CLUSTER_RECIPES for flag in ("", "--sweep ")} | {
+        "--model GLM-5.2 glm5_mla_multinode"}
+    layout = memory_table.glm5_2().indexer_types  # GLM-5.2's table is on its layout
+    assert (layout.count("full"), len(layout)) == (21, 78)
 
 
 @pytest.mark.parametrize("tied", [False, True])
