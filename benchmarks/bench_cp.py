@@ -159,7 +159,7 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
         for idx, m in enumerate(mixers):
             heads, dim, v_dim = m.q_heads, m.qk_dim, m.v_dim
             fused = fused_kernel_dtype(torch.device("cpu"), dtype, heads, m.kv_heads, dim, v_dim) is not None  # pass-Q
-            if m.kind != "gated_delta" and not (consecutive and idx == len(mixers) - 1):
+            if m.attends and not (consecutive and idx == len(mixers) - 1):
                 counter["all_gather"] += world * longest * heads * dim * b + world * total * heads * f
                 counter["reduce_scatter"] += world * longest * heads * v_dim * f
                 if backward and fused:

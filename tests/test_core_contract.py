@@ -78,15 +78,23 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-def test_hybrid_state_is_fixed_size_for_linear_layers():
-    model = tiny_model("qwen3_next")
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_hybrid_state_is_fixed_size_for_linear_layers(family):
+    """Layer 0 (Gated DeltaNet, Mamba2) keeps conv + recurrent state whose size is independent of the prompt's
+    length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
+    model = tiny_model(family)
     sizes = []
     for n in (10, 90):
         store = capture_prompt(model, torch.randint(0, VOCAB, (n,)), for_backward=False).store
-        sizes.append([t.numel() for kind, storage in zip(store.kinds[0], store.storage[0], strict=True)
-                      for t in kind.tensors(storage)])
-    assert sizes[0]
-    assert sizes[0] == sizes[1]  # layer 0 is linear attention: conv + recurrent state, independent of length
+        tensors = [t for kind, storage in zip(store.kinds[0], store.storage[0], strict=True)
+                   for t in kind.tensors(storage)]
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+        sizes.append([t.numel() for t in tensors])
+        if family == "nemotron_h":
+            blocks = model.config.layer_types
+            assert [len(store.kinds[i]) for i, block in enumerate(blocks) if block in ("mlp", "moe")] == [0, 0]
+    assert len(sizes[0]) == 2
+    assert sizes[0] == sizes[1]
 
 
 def test_single_token_prompt():

@@ -57,10 +57,10 @@ from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
 from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
+from .ops.ssd_scan import ssd_torch_saved_bytes
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
-from .state import StateKind
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
@@ -81,6 +81,7 @@ class RuleSaves(NamedTuple):
 GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
 GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
 MLA_MIXER = 2.0
+MAMBA2_MIXER = 6.0  # in_proj output, conv output and activation, the gated norm's saves, in units of heads x head dim
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 # ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
 # (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
@@ -148,25 +149,13 @@ class MemoryEstimate:
         return self.state_grad_bytes - self.device_state_grad_bytes
 
 
-def _mlp_width(config, idx: int) -> int:
-    """Intermediate width one token passes through in layer ``idx`` (routed experts x top-k + shared)."""
-    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
-    dense_first = getattr(config, "first_k_dense_replace", 0)
-    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense_only = getattr(config, "mlp_only_layers", None) or ()
-    if not experts or idx < dense_first or (idx + 1) % sparse_step or idx in dense_only:
-        return config.intermediate_size
-    shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
-    shared += getattr(config, "shared_expert_intermediate_size", 0) or 0
-    return config.num_experts_per_tok * config.moe_intermediate_size + shared + experts
-
-
 class _Shapes:
-    """Per-layer state and per-token widths of a model, on one rank of ``cp_size``: its ``config``, its adapter's
-    state kinds (``specs``) and token mixers (``mixers``, ``adapters.Mixer``: kind and attention call shape)."""
+    """Per-layer state and per-token widths of a model, on one rank of ``cp_size``: its ``config`` and what its
+    ``adapter`` declares per layer: state kinds (``specs``), token mixers (``mixers``, ``adapters.Mixer``: kind and
+    attention call shape) and MLP widths (``Adapter.mlp_width``)."""
 
-    def __init__(self, config, dtype: torch.dtype, specs: list[tuple[StateKind, ...]], mixers: list[Mixer],
-                 cp_size: int, device_type: str):
+    def __init__(self, config, dtype: torch.dtype, adapter: Adapter, cp_size: int, device_type: str):
+        specs, mixers = adapter.specs(), adapter.mixers()
         unknown = sorted({m.kind for m in mixers} - set(MIXER_KINDS))
         if unknown:
             raise UnsupportedModelError(
@@ -174,6 +163,7 @@ class _Shapes:
                 f"kind(s) {unknown} (known: {list(MIXER_KINDS)}); set longstraw.preflight=false to run without the "
                 "pre-flight check"
             )
+        self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(mixers))]
         self.config, self.mixers = config, mixers
         self.kinds = [m.kind for m in mixers]
         self.dtype, self.device_type = dtype, device_type
@@ -185,7 +175,7 @@ class _Shapes:
         # the fused kernels' dtype for each attention mixer's inputs (None: they do not take them)
         self.fused_dtypes = {
             m: planned_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim)
-            for m in set(mixers) if m.kind != "gated_delta"
+            for m in set(mixers) if m.attends
         }
         # activation bytes one token saves per layer, read for every step of a plan: computed once
         self.layer_token_bytes = [self.token_bytes(idx) for idx in range(len(mixers))]
@@ -200,11 +190,29 @@ class _Shapes:
             key_dim = c.linear_num_key_heads * c.linear_key_head_dim
             value_dim = c.linear_num_value_heads * c.linear_value_head_dim
             mixer = 2 * (key_dim + value_dim) + self.gdn_float32_bytes() / self.act
+        elif m.kind == "mamba2":
+            mixer = MAMBA2_MIXER * c.mamba_num_heads * c.mamba_head_dim  # the scan's saves: ``segment_saved``
+        elif m.kind == "none":
+            mixer = 0
         else:
             absorbed_query = m.q_heads * m.qk_dim
             per_head = m.q_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
             mixer = MLA_MIXER * (absorbed_query + per_head + (c.q_lora_rank or 0) + c.kv_lora_rank)
-        return self.act * (NORM * c.hidden_size + mixer + MLP * _mlp_width(c, idx))
+        return self.act * (NORM * c.hidden_size + mixer + MLP * self.mlp_widths[idx])
+
+    def ssd_token_bytes(self, tokens: int, batch: int = 1) -> int:
+        """Bytes Mamba2's torch chunked scan saves for ``batch`` sequences of ``tokens`` (``ops.ssd_scan.
+        ssd_torch_saved_bytes``) in the compute dtype."""
+        c = self.config
+        return ssd_torch_saved_bytes(batch, tokens, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
+                                     c.chunk_size, torch.promote_types(self.dtype, torch.float32))
+
+    def ssd_affine_merge_bytes(self, tokens: int) -> float:
+        """What a CP chunk's affine Mamba2 merge adds (``parallel.ssd``): the summary scan from zero over the
+        rank's tokens and the R gathered summaries [P, N + P] with the R start states [P, N] per head."""
+        c = self.config
+        heads, p, n = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
+        return self.ssd_token_bytes(tokens) + self.cp_size * heads * p * (2 * n + p) * self.compute
 
     def gdn_float32_bytes(self) -> float:
         """Float32 bytes per token that a Gated DeltaNet layer's chunked rule and its float32 intermediates save."""
@@ -252,7 +260,7 @@ class _Shapes:
         kinds = self.kinds[:-1] if last_layer_stops else self.kinds
         for idx in range(len(kinds)) if layers is None else sorted(i for i in layers if i < len(kinds)):
             m = self.mixers[idx]
-            if m.kind == "gated_delta":
+            if not m.attends:
                 continue
             total += sharded_attention_saved_bytes(self.dtype, m.q_heads, m.qk_dim, m.v_dim, queries, self.cp_size,
                                                    self.pass_q_fused(m), 0, 0).gathered
@@ -352,6 +360,13 @@ class _Shapes:
                 if consecutive and self.cp_size > 1:
                     total += self.gdn_affine_merge_bytes(tokens)
                 continue
+            if kind == "mamba2":  # the chunked scan's saves (each sequence padded to whole chunks)
+                total += self.ssd_token_bytes(tokens, batch)
+                if consecutive and self.cp_size > 1:
+                    total += self.ssd_affine_merge_bytes(tokens)
+                continue
+            if kind == "none":
+                continue
             if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
                 # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's):
                 # this rank's are not saved besides, though the per-token coefficient counts them
@@ -444,9 +459,9 @@ def estimate_plan(
         raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     adapter = adapter if adapter is not None else adapter_on_meta(config)
-    specs, mixers = adapter.specs(), adapter.mixers()
-    shapes = _Shapes(config, dtype, specs, mixers, plan.world, device_type)
-    local = _Shapes(config, dtype, specs, mixers, 1, device_type) if plan.world > 1 else shapes  # rounds, no state
+    specs = adapter.specs()
+    shapes = _Shapes(config, dtype, adapter, plan.world, device_type)
+    local = _Shapes(config, dtype, adapter, 1, device_type) if plan.world > 1 else shapes  # rounds, no state
     rank, rows = plan.rank, plan.capacity
     states_held, grads_held = plan.held(mode)
     fixed = sum(s.nbytes(0, dtype) for layer in specs for s in layer)  # what does not grow with the rows

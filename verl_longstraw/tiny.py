@@ -102,13 +102,21 @@ def _base_config(family: str):
         return transformers.GlmMoeDsaConfig(
             **COMMON, **mla, index_topk=4096, index_n_heads=2, index_head_dim=16
         )
+    if family == "nemotron_h":  # Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several
+        return transformers.NemotronHConfig(
+            **COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+            n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+        )
     raise ValueError(family)
 
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
-# the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA
-VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32")
+# the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
+# Nemotron-H's Mamba2 hybrid
+VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

@@ -21,9 +21,11 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
 from ..ops.gated_delta_rule import gated_delta_rule
+from ..ops.ssd_scan import ChunkScan, ssd_scan
 from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.segment import SegmentSharding
+from ..parallel.ssd import sharded_ssd_scan
 from ..state import LayerState, StateKind
 from .lora import base_model, check_lora
 
@@ -33,7 +35,7 @@ class SegmentContext:
     """What every layer of one segment shares: positions, rotary tables, how the segment is split
     over a context-parallel group (``sharding``; None: one process), scratch for the adapter.
 
-    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule`` and
+    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``ssd_scan`` and
     ``conv_input`` so one code path serves one process and a CP group.
     """
 
@@ -71,6 +73,15 @@ class SegmentContext:
         return sharded_gated_delta_rule(
             q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True
         )
+
+    def ssd_scan(self, scan: ChunkScan, x, dt, A, B, C, D, initial_state: torch.Tensor,
+                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mamba2's ``ops.ssd_scan.ssd_scan`` (shapes there) continuing ``initial_state``; under CP with a split
+        sequence the state flows through the ranks and the returned final state is every rank's."""
+        if not self.splits_sequence:
+            return ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size)
+        s = self.sharding
+        return sharded_ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size, s.group, s.query_sizes)
 
     def conv_input(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
@@ -135,6 +146,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     ``interleaved`` first de-interleaves pairs (DeepSeek-V3 ``rope_interleave``).
     """
     rot_dim = cos.shape[-1]
+    if not rot_dim:  # no positional embedding (nemotron_h attention)
+        return x
     rot, rest = x[..., :rot_dim], x[..., rot_dim:]
     if interleaved:
         rot = rot.unflatten(-1, (rot_dim // 2, 2)).transpose(-1, -2).flatten(-2)
@@ -142,7 +155,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
-MIXER_KINDS = ("attention", "mla", "gated_delta")
+MIXER_KINDS = ("attention", "mla", "gated_delta", "mamba2", "none")
+ATTENTION_KINDS = ("attention", "mla")  # the kinds that attend over K/V rows (``ops.attention``)
 
 
 @dataclass(frozen=True)
@@ -150,10 +164,11 @@ class Mixer:
     """A layer's token mixer as the memory estimate and the benchmarks read it (``Adapter.mixer``).
 
     ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "mla" (the same op in MLA's latent
-    space: absorbed queries, one key head, the values a view of the latent keys) or "gated_delta" (the chunked
-    gated delta rule over fixed-size state). Attention kinds: the op's call shape, ``q_heads``, ``kv_heads``,
-    ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate packed into ``q_proj`` (which
-    then projects to twice the query width)."""
+    space: absorbed queries, one key head, the values a view of the latent keys), "gated_delta" (the chunked
+    gated delta rule over fixed-size state), "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
+    state) or "none" (no token mixer: a block of an MLP or MoE alone, nemotron_h). Attention kinds: the op's call
+    shape, ``q_heads``, ``kv_heads``, ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate
+    packed into ``q_proj`` (which then projects to twice the query width)."""
 
     kind: str
     q_heads: int = 0
@@ -161,6 +176,11 @@ class Mixer:
     qk_dim: int = 0
     v_dim: int = 0
     gated_output: bool = False
+
+    @property
+    def attends(self) -> bool:
+        """Whether the mixer attends over K/V rows (``ATTENTION_KINDS``)."""
+        return self.kind in ATTENTION_KINDS
 
 
 class Adapter(ABC):
@@ -224,6 +244,20 @@ class Adapter(ABC):
 
     def check_length(self, total: int) -> None:
         """Raise for a sequence length this architecture cannot replay exactly."""
+
+    def mlp_width(self, idx: int) -> int:
+        """Intermediate width one token passes through in layer ``idx``'s MLP or MoE block (routed experts x top-k,
+        the shared experts, the router's logits), what the memory estimate counts its activations by."""
+        config = self.config
+        experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+        dense_first = getattr(config, "first_k_dense_replace", 0)
+        sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense_only = getattr(config, "mlp_only_layers", None) or ()
+        if not experts or idx < dense_first or (idx + 1) % sparse_step or idx in dense_only:
+            return config.intermediate_size
+        shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
+        shared += getattr(config, "shared_expert_intermediate_size", 0) or 0
+        return config.num_experts_per_tok * config.moe_intermediate_size + shared + experts
 
     # -- shared ------------------------------------------------------------------------
     @property

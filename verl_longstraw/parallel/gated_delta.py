@@ -34,7 +34,7 @@ from ..ops.gated_delta_rule import _value_groups, gated_delta_rule
 from .comm import Group, all_gather, all_reduce_sum, broadcast, group_rank, group_size, recv, reduce_scatter, send
 
 
-def _check_sizes(name: str, length: int, group: Group, sizes: Sequence[int]) -> None:
+def check_sizes(name: str, length: int, group: Group, sizes: Sequence[int]) -> None:
     """Raise a ValueError unless ``sizes`` has one entry >= 1 per rank and this rank's is ``length``."""
     world, rank = group_size(group), group_rank(group)
     if len(sizes) != world or min(sizes) < 1:
@@ -84,8 +84,9 @@ class _SequentialChain(torch.autograd.Function):
         return (*grads, None, None)
 
 
-class _AffineMerge(torch.autograd.Function):
-    """Every rank's summary ``[E_j | M_j]`` [B, HV, Dk, Dv + Dk] composed from the initial state.
+class AffineMerge(torch.autograd.Function):
+    """Every rank's summary ``[E_j | M_j]`` [B, HV, Dk, Dv + Dk] composed from the initial state [B, HV, Dk, Dv]
+    (any state linear in the one before: ``parallel.ssd`` composes Mamba2's [B, H, P, N] with M_j = a_j I).
 
     Forward: all-gather of the summaries; ``S_{j+1} = M_j S_j + E_j`` from ``S_0 = initial_state``;
     returns (this rank's start state S_r, the final state S_R). Backward: this rank's gradients of
@@ -135,7 +136,7 @@ def _affine(q, k, v, g, beta, initial_state, group, use_qk_l2norm):
     summary_start = torch.cat([initial_state.new_zeros(batch, v_heads, dk, dv), identity], dim=-1)
     values = torch.cat([v, v.new_zeros(batch, tokens, v_heads, dk)], dim=-1)
     _, summary = gated_delta_rule(q.detach(), k, values, g, beta, summary_start, use_qk_l2norm=use_qk_l2norm)
-    start, final = _AffineMerge.apply(summary, initial_state, group)
+    start, final = AffineMerge.apply(summary, initial_state, group)
     out, _ = gated_delta_rule(q, k, v, g, beta, start, use_qk_l2norm=use_qk_l2norm)
     return out, final
 
@@ -166,7 +167,7 @@ def sharded_gated_delta_rule(
         raise ValueError(f"mode={mode!r}: use 'affine' (default) or 'sequential'")
     if group is None:
         return gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm=use_qk_l2norm)
-    _check_sizes("q", q.shape[1], group, sizes)
+    check_sizes("q", q.shape[1], group, sizes)
     _value_groups(q, k, v)  # a bad head count raises on every rank, before any collective
     dtype = torch.promote_types(q.dtype, torch.float32)
     batch, _, v_heads, dv = v.shape
@@ -194,7 +195,7 @@ def sharded_conv_input(
         raise ValueError(f"conv_state has {history} entries on its last dim: it must hold the K-1 >= 1 inputs before "
                          f"the first token")
     sizes = [x.shape[-1]] if group is None else sizes
-    _check_sizes("x", x.shape[-1], group, sizes)
+    check_sizes("x", x.shape[-1], group, sizes)
     tails = all_gather(x[..., -min(history, x.shape[-1]):], group, [min(history, n) for n in sizes], dim=-1)
     rank = group_rank(group)
     before = torch.cat([conv_state.to(x.dtype), *tails[:rank]], dim=-1)[..., -history:]
