@@ -78,10 +78,11 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "kimi_linear"])
 def test_hybrid_state_is_fixed_size_for_linear_layers(family):
-    """Layer 0 (Gated DeltaNet, Mamba2) keeps conv + recurrent state whose size is independent of the prompt's
-    length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
+    """Layer 0 (Gated DeltaNet, Mamba2, Kimi Delta Attention) keeps conv + recurrent state whose size is independent
+    of the prompt's length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks
+    keep none."""
     model = tiny_model(family)
     sizes = []
     for n in (10, 90):

@@ -57,6 +57,7 @@ from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
 from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
+from .ops.kda import kda_torch_saved_bytes
 from .ops.ssd_scan import ssd_torch_saved_bytes
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
@@ -81,6 +82,8 @@ class RuleSaves(NamedTuple):
 GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
 GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
 MLA_MIXER = 2.0
+KDA_MIXER = 10.0  # q/k/v projections, conv output and activation, gate projections, in units of heads x head dim
+KDA_FLOAT32 = 7.0  # the float32 forget gate and gated RMSNorm intermediates, float32 in units of heads x head dim
 MAMBA2_MIXER = 6.0  # in_proj output, conv output and activation, the gated norm's saves, in units of heads x head dim
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 # ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
@@ -190,6 +193,9 @@ class _Shapes:
             key_dim = c.linear_num_key_heads * c.linear_key_head_dim
             value_dim = c.linear_num_value_heads * c.linear_value_head_dim
             mixer = 2 * (key_dim + value_dim) + self.gdn_float32_bytes() / self.act
+        elif m.kind == "kda":
+            width = c.linear_num_heads * c.linear_head_dim  # the rule's saves: ``segment_saved``
+            mixer = KDA_MIXER * width + KDA_FLOAT32 * width * 4 / self.act
         elif m.kind == "mamba2":
             mixer = MAMBA2_MIXER * c.mamba_num_heads * c.mamba_head_dim  # the scan's saves: ``segment_saved``
         elif m.kind == "none":
@@ -206,6 +212,21 @@ class _Shapes:
         c = self.config
         return ssd_torch_saved_bytes(batch, tokens, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
                                      c.chunk_size, torch.promote_types(self.dtype, torch.float32))
+
+    def kda_rule_bytes(self, tokens: int, batch: int = 1, value_dim: int | None = None) -> int:
+        """Bytes Kimi Delta Attention's torch chunked rule saves for ``batch`` sequences of ``tokens``
+        (``ops.kda.kda_torch_saved_bytes``; values of ``value_dim`` per head, the head dim if None). On CUDA with
+        flash-linear-attention's ``chunk_kda`` the rule saves less: this is the bound the estimate counts there."""
+        c = self.config
+        dim = c.linear_head_dim
+        return kda_torch_saved_bytes(batch, tokens, c.linear_num_heads, dim, value_dim or dim)
+
+    def kda_affine_merge_bytes(self, tokens: int) -> float:
+        """What a CP chunk's affine KDA merge adds (``parallel.kda``): the summary run of the rule on values [v | 0]
+        (2 x head dim per head) and the R gathered summaries [D, 2D] with the R start states [D, D] per head."""
+        c = self.config
+        heads, dim = c.linear_num_heads, c.linear_head_dim
+        return self.kda_rule_bytes(tokens, value_dim=2 * dim) + self.cp_size * heads * dim * 3 * dim * 4
 
     def ssd_affine_merge_bytes(self, tokens: int) -> float:
         """What a CP chunk's affine Mamba2 merge adds (``parallel.ssd``): the summary scan from zero over the
@@ -350,15 +371,24 @@ class _Shapes:
         for idx in range(len(self.kinds)) if layers is None else sorted(layers):
             kind = self.kinds[idx]
             row_bytes = self.attended_row_bytes[idx]
-            if last_layer_stops and idx == len(self.kinds) - 1:  # only its norm and state projections run
+            stops = last_layer_stops and idx == len(self.kinds) - 1  # its state is all that is needed of it:
+            if stops and kind == "none":  # an MLP block does not run,
+                break
+            if stops and self.mixers[idx].attends:  # attention runs its norm and state projections only,
                 total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
-            total += batch * tokens * self.layer_token_bytes[idx]
+            mlp_skipped = self.act * MLP * self.mlp_widths[idx] if stops else 0  # a recurrence runs, its MLP not
+            total += batch * tokens * (self.layer_token_bytes[idx] - mlp_skipped)
             if kind == "gated_delta":  # the chunked rule pads each sequence to whole chunks
                 padding = batch * (-tokens % GDN_CHUNK_LEN)
                 total += padding * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
                 if consecutive and self.cp_size > 1:
                     total += self.gdn_affine_merge_bytes(tokens)
+                continue
+            if kind == "kda":  # the chunked rule's saves (each sequence padded to whole chunks)
+                total += self.kda_rule_bytes(tokens, batch)
+                if consecutive and self.cp_size > 1:
+                    total += self.kda_affine_merge_bytes(tokens)
                 continue
             if kind == "mamba2":  # the chunked scan's saves (each sequence padded to whole chunks)
                 total += self.ssd_token_bytes(tokens, batch)

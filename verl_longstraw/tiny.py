@@ -102,6 +102,14 @@ def _base_config(family: str):
         return transformers.GlmMoeDsaConfig(
             **COMMON, **mla, index_topk=4096, index_n_heads=2, index_head_dim=16
         )
+    if family == "kimi_linear":  # KDA : MLA (NoPE) = 2 : 1, a dense first MLP then MoE with a shared expert
+        return transformers.KimiLinearConfig(
+            **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2,
+            linear_head_dim=16, linear_conv_kernel_dim=4, num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
     if family == "nemotron_h":  # Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several
         return transformers.NemotronHConfig(
             **COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
@@ -115,8 +123,8 @@ def _base_config(family: str):
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
-# Nemotron-H's Mamba2 hybrid
-VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h")
+# Nemotron-H's Mamba2 hybrid, Kimi Linear's KDA + MLA hybrid
+VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "kimi_linear")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

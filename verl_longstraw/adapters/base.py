@@ -21,9 +21,11 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
 from ..ops.gated_delta_rule import gated_delta_rule
+from ..ops.kda import DeltaRule, kda_rule
 from ..ops.ssd_scan import ChunkScan, ssd_scan
 from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
+from ..parallel.kda import sharded_kda_rule
 from ..parallel.segment import SegmentSharding
 from ..parallel.ssd import sharded_ssd_scan
 from ..state import LayerState, StateKind
@@ -35,8 +37,8 @@ class SegmentContext:
     """What every layer of one segment shares: positions, rotary tables, how the segment is split
     over a context-parallel group (``sharding``; None: one process), scratch for the adapter.
 
-    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``ssd_scan`` and
-    ``conv_input`` so one code path serves one process and a CP group.
+    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``kda_rule``, ``ssd_scan``
+    and ``conv_input`` so one code path serves one process and a CP group.
     """
 
     start: int  # position of the segment's first token
@@ -73,6 +75,15 @@ class SegmentContext:
         return sharded_gated_delta_rule(
             q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True
         )
+
+    def kda_rule(self, rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kimi Delta Attention's ``ops.kda.kda_rule`` (shapes there) continuing ``initial_state``; under CP with a
+        split sequence the state flows through the ranks and the returned final state is every rank's."""
+        if not self.splits_sequence:
+            return kda_rule(rule, q, k, v, g, beta, initial_state)
+        s = self.sharding
+        return sharded_kda_rule(rule, q, k, v, g, beta, initial_state, s.group, s.query_sizes)
 
     def ssd_scan(self, scan: ChunkScan, x, dt, A, B, C, D, initial_state: torch.Tensor,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +166,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
-MIXER_KINDS = ("attention", "mla", "gated_delta", "mamba2", "none")
+MIXER_KINDS = ("attention", "mla", "gated_delta", "kda", "mamba2", "none")
 ATTENTION_KINDS = ("attention", "mla")  # the kinds that attend over K/V rows (``ops.attention``)
 
 
@@ -165,7 +176,8 @@ class Mixer:
 
     ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "mla" (the same op in MLA's latent
     space: absorbed queries, one key head, the values a view of the latent keys), "gated_delta" (the chunked
-    gated delta rule over fixed-size state), "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
+    gated delta rule over fixed-size state), "kda" (Kimi Delta Attention, ``ops.kda``, over fixed-size state),
+    "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
     state) or "none" (no token mixer: a block of an MLP or MoE alone, nemotron_h). Attention kinds: the op's call
     shape, ``q_heads``, ``kv_heads``, ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate
     packed into ``q_proj`` (which then projects to twice the query width)."""
@@ -277,9 +289,14 @@ class Adapter(ABC):
         return self.backbone.embed_tokens(ids if ids.dim() == 2 else ids[None])
 
     def context(self, h: torch.Tensor, start: int, sharding: SegmentSharding | None = None) -> SegmentContext:
+        """The segment's positions and rotary tables; zero-width tables (``apply_rope`` then passes every channel)
+        for a backbone without a rotary module (no positional embedding: nemotron_h, kimi_linear)."""
         length = h.shape[1]
+        rotary = getattr(self.backbone, "rotary_emb", None)
+        if rotary is None:
+            empty = h.new_zeros(length, 0)
+            return SegmentContext(start=start, length=length, cos=empty, sin=empty, sharding=sharding)
         positions = torch.arange(start, start + length, device=h.device)[None]  # [1, length]
-        rotary = self.backbone.rotary_emb
         if hasattr(rotary, "mrope_section"):  # multimodal rope (qwen3_5): text tokens at t = h = w = position;
             positions = positions.expand(3, 1, length)  # [3, 1, length] (transformers < 5.19 takes no [1, length])
         cos, sin = rotary(h, positions)

@@ -102,12 +102,6 @@ class NemotronHAdapter(Adapter):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(ids if ids.dim() == 2 else ids[None])
 
-    def context(self, h: torch.Tensor, start: int, sharding=None) -> SegmentContext:
-        """No positional embedding: zero-width rotary tables (``apply_rope`` passes every channel)."""
-        length = h.shape[1]
-        empty = h.new_zeros(length, 0)
-        return SegmentContext(start=start, length=length, cos=empty, sin=empty, sharding=sharding)
-
     def layer(self, idx, h, ctx, past, need_output):
         """One block: ``h + sublayer(norm(h))``; an MLP or MoE block keeps no state."""
         block = self.layers[idx]

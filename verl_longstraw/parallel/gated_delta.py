@@ -25,7 +25,8 @@ shapes, never on data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -121,13 +122,17 @@ class AffineMerge(torch.autograd.Function):
         return reduce_scatter(grad_summaries, ctx.group), grad_state, None
 
 
-def _affine(q, k, v, g, beta, initial_state, group, use_qk_l2norm):
-    """Summary run (values ``[v | 0]`` from state ``[0 | I]`` ends in ``[E | M]``), merge, run from the start state.
+def affine_delta_rule(rule: Callable[..., tuple[torch.Tensor, torch.Tensor]], q, k, v, g, beta, initial_state,
+                      group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """A delta rule over a sequence split across ``group`` in affine form: the summary run (values ``[v | 0]``
+    from state ``[0 | I]`` ends in ``[E | M]``), the merge, the run from this rank's start state.
+    ``rule(q, k, v, g, beta, initial_state) -> (out, final state)`` is the single-process op: the gated delta rule
+    (g one decay per value head) or Kimi Delta Attention (g one decay per key channel, ``parallel.kda``).
 
-    The columns of the state evolve independently, so one run of width Dv + Dk gives both E (the
-    end state from zero, columns of v) and M (the end state from I with zero values); q does not
-    reach the state, so the summary uses it detached. The outputs come from a second run of the
-    single-process op from the merged start state, so they round exactly as the single-process op.
+    The columns of the state evolve independently (the decay and the delta update act on its key rows), so one
+    run of width Dv + Dk gives both E (the end state from zero, columns of v) and M (the end state from I with
+    zero values); q does not reach the state, so the summary uses it detached. The outputs come from a second run
+    of the single-process op from the merged start state, so they round exactly as the single-process op.
     Grouped value heads (HV > H) pass through: the summary has one [E | M] per value head.
     """
     batch, tokens, v_heads, dv = v.shape
@@ -135,9 +140,9 @@ def _affine(q, k, v, g, beta, initial_state, group, use_qk_l2norm):
     identity = torch.eye(dk, dtype=initial_state.dtype, device=k.device).expand(batch, v_heads, dk, dk)
     summary_start = torch.cat([initial_state.new_zeros(batch, v_heads, dk, dv), identity], dim=-1)
     values = torch.cat([v, v.new_zeros(batch, tokens, v_heads, dk)], dim=-1)
-    _, summary = gated_delta_rule(q.detach(), k, values, g, beta, summary_start, use_qk_l2norm=use_qk_l2norm)
+    _, summary = rule(q.detach(), k, values, g, beta, summary_start)
     start, final = AffineMerge.apply(summary, initial_state, group)
-    out, _ = gated_delta_rule(q, k, v, g, beta, start, use_qk_l2norm=use_qk_l2norm)
+    out, _ = rule(q, k, v, g, beta, start)
     return out, final
 
 
@@ -176,7 +181,8 @@ def sharded_gated_delta_rule(
     initial_state = initial_state.to(dtype)
     if mode == "sequential":
         return _SequentialChain.apply(q, k, v, g, beta, initial_state, group, use_qk_l2norm)
-    return _affine(q, k, v, g, beta, initial_state, group, use_qk_l2norm)
+    rule = functools.partial(gated_delta_rule, use_qk_l2norm=use_qk_l2norm)
+    return affine_delta_rule(rule, q, k, v, g, beta, initial_state, group)
 
 
 def sharded_conv_input(
