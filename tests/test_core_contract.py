@@ -243,19 +243,3 @@ def test_readme_architecture_table_lists_every_supported_model_type():
     table = text.split("## Supported architectures", 1)[1].split("\n\n", 2)[1]
     listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
     assert listed == set(supported_model_types())
-
-
-@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
-def test_sliding_window_every_layer_is_refused_past_the_window(family):
-    """Mistral and Qwen3-MoE apply config.sliding_window to every layer: a sequence within the window is exact
-    (the window never binds), a longer one is refused naming the field, before anything is computed."""
-    model = tiny_model(family, sliding_window=40, use_sliding_window=True)
-    prompt, responses = make_group(VOCAB, 30, (9,))
-    expected = standard_grads(model, prompt, responses, weighted_loss)
-    model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=16)
-    assert relative_error(grads_of(model), expected) < 1e-5
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=40"):
-        group_backward(model, prompt, [torch.randint(0, VOCAB, (12,))], weighted_loss)
-    assert all(p.grad is None for p in model.parameters())

@@ -86,7 +86,8 @@ def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
 
 
 def _agree(cp_group: comm.Group, validate: Callable[[], Any], ids: dict[str, list[torch.Tensor]], **settings) -> Any:
-    """``validate()``'s result once every rank of ``cp_group`` validated the same arguments.
+    """``validate()``'s result (the adapter first) once every rank of ``cp_group`` validated the same arguments and
+    the adapter serves a group of its size (``Adapter.check_context_parallel``).
 
     Each rank validates its own arguments, then the ranks exchange (error, fingerprints of the token ids ``ids``
     (argument name -> tensors) and ``settings``) in one small collective, so bad input or ranks that disagree
@@ -97,6 +98,7 @@ def _agree(cp_group: comm.Group, validate: Callable[[], Any], ids: dict[str, lis
     result, error = None, None
     try:
         result = validate()
+        result[0].check_context_parallel(comm.group_size(cp_group))
     except (ValueError, UnsupportedModelError, MemoryError) as exc:
         error = exc
     mine = None

@@ -59,6 +59,7 @@ from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
 from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
 from .ops.kda import kda_torch_saved_bytes
 from .ops.ssd_scan import ssd_torch_saved_bytes
+from .ops.window_attention import window_attention_saved_bytes
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
@@ -186,7 +187,7 @@ class _Shapes:
     def token_bytes(self, idx: int) -> float:
         """Activation bytes one token saves in layer ``idx`` (independent of the prefix; ``layer_token_bytes``)."""
         c, m = self.config, self.mixers[idx]
-        if m.kind == "attention":
+        if m.kind in ("attention", "window_attention"):
             gate = 2 if m.gated_output else 1
             mixer = ATTN_MIXER * (m.q_heads * m.qk_dim * gate + 2 * m.kv_heads * m.qk_dim)
         elif m.kind == "gated_delta":
@@ -374,7 +375,7 @@ class _Shapes:
             stops = last_layer_stops and idx == len(self.kinds) - 1  # its state is all that is needed of it:
             if stops and kind == "none":  # an MLP block does not run,
                 break
-            if stops and self.mixers[idx].attends:  # attention runs its norm and state projections only,
+            if stops and kind in ("attention", "window_attention", "mla"):  # attention: norm and K/V only,
                 total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
                 break
             mlp_skipped = self.act * MLP * self.mlp_widths[idx] if stops else 0  # a recurrence runs, its MLP not
@@ -396,6 +397,13 @@ class _Shapes:
                     total += self.ssd_affine_merge_bytes(tokens)
                 continue
             if kind == "none":
+                continue
+            if kind == "window_attention":  # its op's saves (``ops.window_attention``) and the segment's K/V
+                m = self.mixers[idx]
+                past = prefix if m.window is None else min(prefix, m.window - 1)
+                total += window_attention_saved_bytes(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, past,
+                                                      m.window, m.sinks, self.dtype, past_shared=batch > 1)
+                total += row_bytes * batch * tokens
                 continue
             if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
                 # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's):
@@ -494,16 +502,14 @@ def estimate_plan(
     local = _Shapes(config, dtype, adapter, 1, device_type) if plan.world > 1 else shapes  # rounds, no state
     rank, rows = plan.rank, plan.capacity
     states_held, grads_held = plan.held(mode)
-    fixed = sum(s.nbytes(0, dtype) for layer in specs for s in layer)  # what does not grow with the rows
-    growing = sum(s.nbytes(rows, dtype) - s.nbytes(0, dtype) for layer in specs for s in layer)
-    state = growing + fixed * states_held if states_held else 0
-    boundaries = fixed * (states_held - 1) if states_held else 0
+    kinds = [s for layer in specs for s in layer]
+    state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
+    # the held segments' state besides one segment's (a Rows buffer is one whatever the segments)
+    boundaries = state - sum(s.path_nbytes(rows, 1, dtype) for s in kinds) if states_held else 0
     state_grad = leaf_grad = 0
     if mode == "exact" and grads_held:
         grad_dtype = torch.promote_types(dtype, torch.float32)
-        differentiable = [s for layer in specs for s in layer if s.differentiable]
-        state_grad = sum(s.nbytes(rows, grad_dtype) + (grads_held - 1) * s.nbytes(0, grad_dtype)
-                         for s in differentiable)
+        state_grad = sum(s.path_nbytes(rows, grads_held, grad_dtype) for s in kinds if s.differentiable)
         leaf_grad = max(sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs)
 
     hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves

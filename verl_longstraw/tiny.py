@@ -25,7 +25,8 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
 def use_reference_kernels(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
     """Set the attention and MoE kernels the standard path is compared with; returns ``config``."""
     # transformers 5.10 GLM-MoE-DSA drops the causal mask under sdpa (attends to future tokens): eager there.
-    config._attn_implementation = "eager" if config.model_type == "glm_moe_dsa" else "sdpa"
+    # gpt-oss's sinks: eager (SDPA takes no sink logits)
+    config._attn_implementation = "eager" if config.model_type in ("glm_moe_dsa", "gpt_oss") else "sdpa"
     config._experts_implementation = "eager"  # CPU grouped-mm rejects float64
     return config
 
@@ -38,7 +39,8 @@ def _base_config(family: str):
     if family in ("llama", "qwen2", "mistral"):
         config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                         "mistral": transformers.MistralConfig}[family]
-        return config_class(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        window = dict(sliding_window=None) if family == "mistral" else {}  # Mistral-Nemo/Small-3 style (full layers)
+        return config_class(**COMMON, **window, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     if family in ("qwen3_next", "qwen3_5"):
         hybrid = dict(
             num_hidden_layers=4,
@@ -117,14 +119,19 @@ def _base_config(family: str):
             n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
         )
+    if family == "gpt_oss":  # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
+        return transformers.GptOssConfig(
+            **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        )
     raise ValueError(family)
 
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
-# Nemotron-H's Mamba2 hybrid, Kimi Linear's KDA + MLA hybrid
-VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "kimi_linear")
+# Nemotron-H's Mamba2 hybrid, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full attention with sinks
+VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "gpt_oss")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

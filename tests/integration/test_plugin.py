@@ -120,6 +120,23 @@ def test_critic_strategy_longstraw_names_the_fix(model_dirs):
         EngineRegistry.new(model_type="value_model", backend="longstraw")
 
 
+def test_engine_refuses_context_parallel_for_window_layers(tmp_path):
+    """gpt_oss (sliding-window and sink layers, no sharded form) with context_parallel_size=2 is refused when the
+    engine is constructed, before any model is built or collective runs, naming the knob; R = 1 constructs."""
+    from verl.workers.config import HFModelConfig
+
+    from verl_longstraw import UnsupportedModelError
+    from verl_longstraw.integration import testing
+    from verl_longstraw.integration.engine import LongStrawEngine
+
+    model_config = HFModelConfig(path=testing.save_tiny_model("gpt_oss", str(tmp_path / "gpt_oss")),
+                                 load_tokenizer=False)
+    engine_config = testing.actor_config("longstraw", "token-mean", False, 0.0, 1, context_parallel_size=2).engine
+    with pytest.raises(UnsupportedModelError, match="gpt_oss: context_parallel_size=2 is not supported"):
+        LongStrawEngine(model_config=model_config, engine_config=engine_config, optimizer_config=None,
+                        checkpoint_config=None)
+
+
 def test_longstraw_sync_settings_live_under_sync():
     """veRL knows the longstraw_sync mode as "sync" and reads trainer.v1.sync: the shipped config has no
     trainer.v1.longstraw_sync block, and the trainer refuses one instead of ignoring its settings."""

@@ -23,6 +23,7 @@ from ..ops.attention import prefix_causal_attention
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..ops.kda import DeltaRule, kda_rule
 from ..ops.ssd_scan import ChunkScan, ssd_scan
+from ..ops.window_attention import window_attention
 from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.kda import sharded_kda_rule
@@ -65,6 +66,14 @@ class SegmentContext:
             q, k_prefix, v_prefix, k_self, v_self, scale,
             s.group, s.query_sizes, s.prefix_sizes, s.consecutive, key_mask,
         )
+
+    def window_attention(self, q, k_past, v_past, k_self, v_self, scale: float, window: int | None,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
+        """``ops.window_attention.window_attention`` (shapes there) over the rows before the segment; one process
+        only (``Adapter.check_context_parallel`` refuses a CP group for models with such layers)."""
+        if self.sharding is not None:
+            raise UnsupportedModelError("sliding-window and sink attention have no context-parallel form")
+        return window_attention(q, k_past, v_past, k_self, v_self, scale, window, sinks)
 
     def delta_rule(self, q, k, v, g, beta, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``gated_delta_rule`` (shapes there, q/k L2-normalised) continuing ``initial_state``; under CP with a split
@@ -166,7 +175,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
-MIXER_KINDS = ("attention", "mla", "gated_delta", "kda", "mamba2", "none")
+MIXER_KINDS = ("attention", "window_attention", "mla", "gated_delta", "kda", "mamba2", "none")
 ATTENTION_KINDS = ("attention", "mla")  # the kinds that attend over K/V rows (``ops.attention``)
 
 
@@ -174,7 +183,9 @@ ATTENTION_KINDS = ("attention", "mla")  # the kinds that attend over K/V rows (`
 class Mixer:
     """A layer's token mixer as the memory estimate and the benchmarks read it (``Adapter.mixer``).
 
-    ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "mla" (the same op in MLA's latent
+    ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "window_attention" (``ops.
+    window_attention``: within a sliding ``window`` of keys, None for every earlier key, with learned ``sinks`` or
+    not, over K/V rows or a window of them), "mla" (the same op in MLA's latent
     space: absorbed queries, one key head, the values a view of the latent keys), "gated_delta" (the chunked
     gated delta rule over fixed-size state), "kda" (Kimi Delta Attention, ``ops.kda``, over fixed-size state),
     "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
@@ -188,6 +199,8 @@ class Mixer:
     qk_dim: int = 0
     v_dim: int = 0
     gated_output: bool = False
+    window: int | None = None
+    sinks: bool = False
 
     @property
     def attends(self) -> bool:
@@ -256,6 +269,19 @@ class Adapter(ABC):
 
     def check_length(self, total: int) -> None:
         """Raise for a sequence length this architecture cannot replay exactly."""
+
+    def check_context_parallel(self, cp_size: int) -> None:
+        """Raise ``UnsupportedModelError`` naming ``context_parallel_size`` where a layer's token mixer has no
+        sharded form and ``cp_size`` > 1 (sliding-window and sink attention, ``Mixer.kind`` "window_attention")."""
+        if cp_size <= 1:
+            return
+        unsharded = [idx for idx, m in enumerate(self.mixers()) if m.kind == "window_attention"]
+        if unsharded:
+            raise UnsupportedModelError(
+                f"{self.config.model_type}: context_parallel_size={cp_size} is not supported for its sliding-window "
+                f"or sink attention layers ({len(unsharded)} of {self.num_layers}, e.g. layer {unsharded[0]}); set "
+                "longstraw.context_parallel_size=1 (a window layer's state is W - 1 rows, not the prompt's)"
+            )
 
     def mlp_width(self, idx: int) -> int:
         """Intermediate width one token passes through in layer ``idx``'s MLP or MoE block (routed experts x top-k,
@@ -337,11 +363,12 @@ def supported_model_types() -> list[str]:
 
 
 def model_on_meta(config) -> nn.Module:
-    """``config``'s causal LM built on the meta device (no weights, no memory), in eval mode."""
+    """``config``'s causal LM built on the meta device (no weights, no memory), in eval mode, with eager attention
+    (nothing runs on it; a model's default, e.g. gpt-oss's hub kernel, may need a package that is not installed)."""
     import transformers  # the model classes, only where a config is all there is
 
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+        return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
 
 
 def adapter_on_meta(config) -> Adapter:

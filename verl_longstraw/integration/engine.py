@@ -65,7 +65,7 @@ from verl_longstraw import (
     tree_backward,
     tree_log_probs,
 )
-from verl_longstraw.adapters import Adapter, adapter_for
+from verl_longstraw.adapters import Adapter, adapter_for, adapter_on_meta
 from verl_longstraw.api import PromptState
 from verl_longstraw.estimate import (
     GIB,
@@ -104,6 +104,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         self.longstraw = as_longstraw_config(getattr(engine_config, "longstraw", None))
         check_supported(engine_config, where="engine")
+        if self.longstraw.context_parallel_size > 1:  # a family without a sharded form: refused before building
+            adapter_on_meta(model_config.hf_config).check_context_parallel(self.longstraw.context_parallel_size)
         # veRL's FSDP engine builds only for fsdp/fsdp2 (it reads engine_config.strategy).
         engine_config = copy.copy(engine_config)
         object.__setattr__(engine_config, "strategy", "fsdp2")

@@ -388,12 +388,14 @@ def partial_attention_saved_bytes(
 ) -> int:
     """Bytes ``partial_attention`` (``block_size`` None) saves for ``batch`` x ``q_heads`` x ``queries`` query rows
     over ``keys`` keys of ``kv_heads`` heads (``batch`` such sets) for inputs of ``dtype``: the dense op's two
-    score-sized tensors, its keys/values and scaled queries in the arithmetic dtype; the blocked op's output and
+    score-sized tensors, its keys/values, scaled queries and logsumexp in the arithmetic dtype and its visibility
+    masks (bool [queries, keys] and [queries], shared by the batch and heads); the blocked op's output and
     logsumexp in it, its queries where they are a copy made for the call (``query_copy``; else the caller's
     activation, not counted here), and the key/value inputs, i.e. the buffer their views keep alive
     (``key_buffer_bytes``)."""
     rows = batch * q_heads * queries
     compute = compute_dtype(dtype).itemsize
     if partial_attention_is_dense(rows, keys, dtype):
-        return 2 * rows * keys * compute + (batch * kv_heads * keys * (qk_dim + v_dim) + rows * qk_dim) * compute
+        floats = 2 * rows * keys + batch * kv_heads * keys * (qk_dim + v_dim) + rows * (qk_dim + 1)
+        return floats * compute + queries * (keys + 1)
     return rows * (v_dim + 1 + (qk_dim if query_copy else 0)) * compute + key_buffer_bytes

@@ -8,6 +8,10 @@ kind it is, so a new kind (e.g. a sliding window of the last W rows) is one clas
   the rows of the segments are one buffer in position order; a segment writes its rows after its parent's.
 - ``Fixed``: a size independent of the tokens (Gated DeltaNet conv and recurrent state). Along a path each
   segment's value at its end is kept (its children start from it); a segment replaces its parent's.
+- ``Window``: the rows of the last ``rows_kept`` tokens (a sliding-window attention layer's K/V: a window of W
+  keys including the query's own leaves W - 1 earlier ones). Laid out as ``Fixed``: each segment's window at its
+  end, which ``extend`` computes from its parent's window and its own rows (inside autograd, so the exact backward
+  sends the window's gradient into both).
 
 Storage protocol (per state tensor of a layer), used by ``store.PathState``:
 ``open(value, capacity)`` the storage at the first write, ``write(storage, key, row_start, value)``,
@@ -84,6 +88,11 @@ class StateKind:
         """The tensors a storage (or a gradient sum) holds; [] for None."""
         raise NotImplementedError
 
+    def path_nbytes(self, rows: int, segments: int, model_dtype: torch.dtype) -> int:
+        """Bytes held for a path of ``rows`` tokens whose ``segments`` segments each keep their state (what the
+        memory estimate reads of a plan's ``held`` segments)."""
+        raise NotImplementedError
+
     def add_grad(self, sums: Any, parent: int, row_end: int, grad: torch.Tensor, capacity: int, on_host: bool) -> Any:
         """Add ``grad`` (the gradient of ``read(storage, parent, row_end)``) into ``sums`` (None: none yet);
         returns the sums."""
@@ -122,6 +131,10 @@ class Rows(StateKind):
 
     def tensors(self, storage: torch.Tensor | None) -> list[torch.Tensor]:
         return [] if storage is None else [storage]
+
+    def path_nbytes(self, rows: int, segments: int, model_dtype: torch.dtype) -> int:
+        """One buffer of the path's rows, however many segments wrote them."""
+        return self.nbytes(rows, model_dtype)
 
     def add_grad(self, sums, parent, row_end, grad, capacity, on_host):
         if sums is None:
@@ -163,6 +176,10 @@ class Fixed(StateKind):
     def tensors(self, storage: dict | None) -> list[torch.Tensor]:
         return [] if storage is None else list(storage.values())
 
+    def path_nbytes(self, rows: int, segments: int, model_dtype: torch.dtype) -> int:
+        """Each held segment's value at its end (at most ``nbytes(rows)`` each)."""
+        return segments * self.nbytes(rows, model_dtype)
+
     def add_grad(self, sums, parent, row_end, grad, capacity, on_host):
         sums = {} if sums is None else sums
         if parent not in sums:
@@ -176,3 +193,29 @@ class Fixed(StateKind):
     def release_grad(self, sums, key, row_start, row_end) -> None:
         if sums is not None:
             sums.pop(key, None)
+
+
+@dataclass(frozen=True)
+class Window(Fixed):
+    """The rows of the last ``rows_kept`` tokens: ``shape`` is one token's row, tokens on dim -2 (a sliding layer's
+    K or V [1, kv_heads, 1, head_dim] with ``rows_kept`` = window - 1). Storage as ``Fixed``: each segment's window
+    at its end [B, ..., min(tokens so far, rows_kept), d]."""
+
+    rows_kept: int = 0
+
+    def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
+        return math.prod(self.shape) * min(rows, self.rows_kept) * self.dtype(model_dtype).itemsize
+
+    def empty(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(*self.shape[:-2], 0, self.shape[-1], dtype=self.dtype(like.dtype))
+
+    def extend(self, past: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The window after a segment: the last ``rows_kept`` of ``past`` [1 or B, ..., p, d] (the window before
+        it, broadcast over the segment's B sequences) then ``rows`` [B, ..., t, d], in a tensor of its own (never a
+        view of ``rows``, so the store keeps ``rows_kept`` rows alive, not the segment's t)."""
+        from_past = max(0, self.rows_kept - rows.shape[-2])
+        own = rows[..., rows.shape[-2] - min(rows.shape[-2], self.rows_kept) :, :]
+        if not from_past or not past.shape[-2]:
+            return own.clone()
+        past = past[..., max(0, past.shape[-2] - from_past) :, :]
+        return torch.cat([past.expand(rows.shape[0], *past.shape[1:]), own], dim=-2)

@@ -1,0 +1,32 @@
+"""gpt-oss (``gpt_oss``): alternating sliding-window (``config.sliding_window``, 128) and full attention layers, both
+with learned attention sinks and biased projections, each followed by a MoE block (top-k router, SwiGLU experts with
+clamped gates, as the model computes them).
+
+State per layer: K (after RoPE) and V [1, kv_heads, ., head_dim]: every token's row on a full layer (``Rows``), the
+last W - 1 on a sliding layer (``Window``); the dense adapter's ``attention_mix`` runs both through
+``ops.window_attention`` (the sinks merged by log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Adapter, SegmentContext, register
+from .dense import DenseAttentionAdapter
+
+
+@register
+class GptOssAdapter(DenseAttentionAdapter):
+    model_types = ("gpt_oss",)
+
+    def context(self, h: torch.Tensor, start: int, sharding=None) -> SegmentContext:
+        """The rotary tables in the split-half layout ``apply_rope`` reads: gpt-oss's rotary module returns one
+        half [S, head_dim / 2] (its rotation pairs channel i with i + head_dim / 2, as rotate_half does)."""
+        ctx = Adapter.context(self, h, start, sharding)
+        ctx.cos, ctx.sin = torch.cat([ctx.cos, ctx.cos], dim=-1), torch.cat([ctx.sin, ctx.sin], dim=-1)
+        return ctx
+
+    def mlp_width(self, idx: int) -> int:
+        """Top-k experts' gate/up width (2 x intermediate each, gate and up interleaved) and the router's logits."""
+        c = self.config
+        return c.num_experts_per_tok * 2 * c.intermediate_size + c.num_local_experts
