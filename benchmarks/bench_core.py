@@ -6,7 +6,9 @@ configuration in a fresh process:
 - process peak RSS growth over the loaded model (MB; includes state, gradients and allocator slack),
 - wall and CPU seconds of one group's forward + backward (one thread, so that CPU seconds
   count work rather than threads spinning on a shared machine);
-and, at one size, the relative L2 gradient error of each path against standard.
+and, at one size, the relative L2 gradient error of each path against standard. For a family with sliding-window
+layers (gpt_oss) it also captures one prompt of each P and compares each layer's state bytes with the same model's
+with every layer full attention: a sliding layer of window W keeps W - 1 rows, (W - 1) / P of a full layer's.
 "standard" is one micro-batch holding the G sequences prompt ++ response (what veRL runs).
 Where standard does not fit in memory (``--standard-max-len``: MLA at P=16K on CPU keeps
 [G, heads, S, S] attention probabilities per layer, ~35 GB a layer at G=8), a
@@ -16,7 +18,7 @@ layers x G x heads x S^2 x 4 (computed, not run; sizes where both exist check th
     python benchmarks/bench_core.py                      # full sweep, writes benchmarks/results/core.*
     python benchmarks/bench_core.py --prompt-lens 512 --group-sizes 2 8 --out /tmp/x   # quick
     python benchmarks/bench_core.py --families all --prompt-lens 16384 --group-sizes 8 \
-        --paths standard chunked_exact --name scale_cpu   # every family at P=16K
+        --paths standard chunked_exact --name scale_cpu   # every family (tiny.FAMILIES and VARIANTS) at P=16K
     python benchmarks/bench_core.py --families deepseek_v3 glm_moe_dsa --prompt-lens 2048 16384 \
         --group-sizes 2 8 --paths standard detached chunked_exact --standard-max-len 4096 \
         --error-prompt-len 2048 --name scale_cpu_mla   # MLA at P=16K against the standard bound
@@ -34,12 +36,13 @@ import time
 
 import torch
 
-from verl_longstraw import group_backward
+from verl_longstraw import capture_prompt, group_backward
+from verl_longstraw.adapters import adapter_for
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.testing import make_group
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
-from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
+from verl_longstraw.tiny import VARIANTS, VOCAB, tiny_config, tiny_model
 
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
 PATHS = ("standard", "detached", "exact", "chunked_exact")
@@ -113,11 +116,37 @@ def gradient_errors(family: str, prompt_len: int, group_size: int, response_len:
     return {path: float((grads[path] - ref).norm() / ref.norm()) for path in grads if path != "standard"}
 
 
-def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, command: str, info: dict) -> None:
+def full_attention_overrides(config) -> dict:
+    """Config fields that make every layer of ``config``'s model full attention, the weights unchanged."""
+    if getattr(config, "layer_types", None) is not None:
+        return dict(layer_types=["full_attention" if t == "sliding_attention" else t for t in config.layer_types])
+    return dict(sliding_window=None)
+
+
+def window_state(family: str, prompt_len: int) -> list[dict]:
+    """Per layer of a family with sliding-window layers (none: []): the captured prompt's state bytes against the
+    same model with every layer full attention, and the (W - 1) / P a sliding layer should keep of it."""
+    model = tiny_model(family, max_position_embeddings=prompt_len)
+    windows = [mixer.window for mixer in adapter_for(model).mixers()]
+    if not any(windows):
+        return []
+    full = tiny_model(family, max_position_embeddings=prompt_len, **full_attention_overrides(model.config))
+    prompt, _ = make_group(VOCAB, prompt_len, [1])
+    with torch.no_grad():
+        states = [capture_prompt(m, prompt).store for m in (model, full)]
+    return [dict(family=family, P=prompt_len, layer=i, window=w, state_bytes=states[0].layer_nbytes(i),
+                 full_attention_bytes=states[1].layer_nbytes(i),
+                 expected_ratio=1.0 if w is None else min(w - 1, prompt_len - 1) / (prompt_len - 1))
+            for i, w in enumerate(windows)]
+
+
+def write_reports(rows: list[dict], errors: dict, windows: list[dict], out_dir: str, name: str, command: str,
+                  info: dict) -> None:
     """``{name}.json``, ``.md`` and ``.png`` under ``out_dir``; ``info`` is ``machine()`` from the start of the run."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(dict(command=command, machine=info, rows=rows, gradient_errors=errors), f, indent=1)
+        json.dump(dict(command=command, machine=info, rows=rows, gradient_errors=errors, window_state=windows), f,
+                  indent=1)
     index = {(r["family"], r["P"], r["G"], r["path"]): r for r in rows}
     lines = [
         "# Core benchmark (CPU)", "", f"Command: `{command}`", "", f"Machine: {describe(info)}", "",
@@ -152,6 +181,15 @@ def write_reports(rows: list[dict], errors: dict, out_dir: str, name: str, comma
     for key, errs in errors.items():
         family, setting = key.split(" ", 1)
         lines += [f"| {family} | {setting} | {path} | {err:.2e} |" for path, err in errs.items()]
+    if windows:
+        lines += ["", "Captured prompt state per layer (P - 1 tokens captured), sliding-window layers against the same "
+                  "model with every layer full attention:", "",
+                  "| family | P | layer | window | state KiB | full-attention KiB | ratio | (W - 1) / (P - 1) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for w in windows:
+            lines.append(f"| {w['family']} | {w['P']} | {w['layer']} | {w['window'] or 'full'} | "
+                         f"{w['state_bytes'] / 1024:.1f} | {w['full_attention_bytes'] / 1024:.1f} | "
+                         f"{w['state_bytes'] / w['full_attention_bytes']:.4g} | {w['expected_ratio']:.4g} |")
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(rows, os.path.join(out_dir, f"{name}.png"))
@@ -204,10 +242,12 @@ def main() -> None:
         return
     command = "python benchmarks/bench_core.py " + " ".join(sys.argv[1:])
     info = machine()
-    families = list(ALL_FAMILIES) if args.families == ["all"] else args.families
+    families = [*ALL_FAMILIES, *VARIANTS] if args.families == ["all"] else args.families
     paths = args.paths
-    rows, errors = [], {}
+    rows, errors, windows = [], {}, []
     for family in families:
+        for p in args.prompt_lens:
+            windows += window_state(family, p)
         for p in args.prompt_lens:
             for g in args.group_sizes:
                 if args.standard_max_len is not None and family in BOUNDED_FAMILIES:
@@ -231,7 +271,7 @@ def main() -> None:
             family, args.error_prompt_len, max(args.group_sizes), args.response_len, paths
         )
         print(f"{family:12s} gradient errors vs standard ({setting}): {errors[f'{family} {setting}']}", flush=True)
-    write_reports(rows, errors, args.out, args.name, command, info)
+    write_reports(rows, errors, windows, args.out, args.name, command, info)
     print(f"wrote {args.out}/{args.name}.json, .md, .png")
 
 

@@ -97,10 +97,16 @@ class PathState:
                     kind.release(storage, key)
                 kind.release_grad(sums, key, row_start, row_end)
 
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The tensors layer ``layer``'s state holds (buffers and kept end values); [] before the first write."""
+        if self.storage is None:
+            return []
+        return [t for kind, storage in zip(self.kinds[layer], self.storage[layer], strict=True)
+                for t in kind.tensors(storage)]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the state holds (buffers and kept end values)."""
-        return [t for layer, storages in zip(self.kinds, self.storage or [], strict=False)
-                for kind, storage in zip(layer, storages, strict=True) for t in kind.tensors(storage)]
+        return [t for layer in range(len(self.kinds)) for t in self.layer_tensors(layer)]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient sum the state holds."""
@@ -110,6 +116,10 @@ class PathState:
     def nbytes(self) -> int:
         """Bytes of the storages the state keeps alive (each counted once and whole); the token ids not counted."""
         return storage_nbytes(self.tensors())
+
+    def layer_nbytes(self, layer: int) -> int:
+        """Bytes of the storages layer ``layer``'s state keeps alive."""
+        return storage_nbytes(self.layer_tensors(layer))
 
     def grad_nbytes(self) -> int:
         """Bytes of the gradient sums (device or host)."""
