@@ -8,7 +8,8 @@ states [B, H, P, N]. Per head (group g = head // (H // G)) and token::
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t B_t^T
     y_t = h_t C_t + D * x_t
 
-Arithmetic and the outputs are float32 (float64 for float64 inputs).
+The model's scan computes in float32 whatever its inputs (transformers' torch form casts them, the final state is
+float32); the reference computes in float32, or float64 for float64 inputs.
 
 ``ssd_scan`` runs the model's own chunked scan (``model_chunk_scan``: transformers' ``mamba2_chunk_scan`` of the
 model's module, which transformers binds to mamba_ssm's ``mamba_chunk_scan_combined`` where that is installed,

@@ -22,9 +22,10 @@ def sharded_kda_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.kda.kda_rule`` over this rank's ``sizes[rank]`` tokens (q, k, g [B, T_r, H, Dk], v [B, T_r, H, Dv],
     beta [B, T_r, H]) of a sequence split across ``group``, from the replicated ``initial_state`` [B, H, Dk, Dv]
-    (float32): (output [B, T_r, H, Dv], the final state after the last rank's last token, replicated).
-    ``group=None``: one process."""
+    (float32, or float64 for a float64 rule): (output [B, T_r, H, Dv], the final state after the last rank's last
+    token, replicated). ``group=None``: one process."""
     if group is None:
         return kda_rule(rule, q, k, v, g, beta, initial_state)
     check_sizes("q", q.shape[1], group, sizes)
-    return affine_delta_rule(functools.partial(kda_rule, rule), q, k, v, g, beta, initial_state.float(), group)
+    state = initial_state.to(torch.promote_types(initial_state.dtype, torch.float32))
+    return affine_delta_rule(functools.partial(kda_rule, rule), q, k, v, g, beta, state, group)
