@@ -9,7 +9,7 @@ VENV=".venv-core-$(echo "$TRANSFORMERS" | tr -c 'A-Za-z0-9.\n' '-')"
 if [[ ! -x "$VENV/bin/python" ]]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.13.0   # first and pinned: an unpinned torch pulls a CUDA build
-    "$VENV/bin/pip" install -q "$TRANSFORMERS" "pytest>=8" "matplotlib>=3.8" "setuptools>=68"  # tests build a wheel
+    "$VENV/bin/pip" install -q "$TRANSFORMERS" peft "pytest>=8" "matplotlib>=3.8" "setuptools>=68"  # tests build a wheel; peft: test_lora
     "$VENV/bin/pip" install -q --no-deps -e .
 fi
 exec "$VENV/bin/python" -m pytest -q tests --ignore=tests/integration --ignore=tests/test_main_job.py "$@"

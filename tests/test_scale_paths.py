@@ -114,12 +114,19 @@ def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
     assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
 
 
+# gpt_oss's bf16 error is its router's luck: a bf16 rounding that flips one token's top-2 of 4 experts moves its
+# log-prob by far more than rounding does, on either path (AMD EPYC, P = 301, seeds 0-2: replay / standard max
+# log-prob error 0.084 / 0.066, 0.062 / 0.029, 0.004 / 0.102); with every expert routed the two agree (0.003 /
+# 0.004, 0.003 / 0.003, 0.003 / 0.003). Routing exactness is the float32 tests'; this one compares arithmetic.
+BF16_OVERRIDES = {"gpt_oss": {"num_experts_per_tok": 4}}
+
+
 @pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_bfloat16_matches_float32_standard(family, record_property):
     """bf16 replay (chunked exact) vs the fp32 standard path: no worse than the bf16 standard path
     on the same machine (its error depends on the CPU's bf16 kernels), and sane in absolute terms."""
-    errors = replay_errors(tiny_model(family), torch.bfloat16, *make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS),
-                           weighted_loss, CHUNK)
+    model = tiny_model(family, **BF16_OVERRIDES.get(family, {}))
+    errors = replay_errors(model, torch.bfloat16, *make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS), weighted_loss, CHUNK)
     for name, value in errors.items():
         record_property(f"bf16_{name}_error", value)
     assert no_worse_than_standard(errors, torch.bfloat16), errors
