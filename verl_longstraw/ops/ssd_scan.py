@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import nn
 
 from ..errors import UnsupportedModelError
@@ -99,17 +101,34 @@ def ssd_scan_reference(
     return torch.stack(outputs, dim=1), state
 
 
+# transformers' torch mamba2_chunk_scan contracts with einsums since 5.18.0; before, with broadcast products summed
+# (fewer copies saved). ``tests/ops/test_ssd_scan.py`` measures the count of the installed release; scripts/
+# test_core.sh runs it under 5.10.4 and 5.17.0, the CI under 5.19.
+EINSUM_SCAN_SINCE = Version("5.18.0")
+
+
 def ssd_torch_saved_bytes(batch: int, tokens: int, heads: int, head_dim: int, state_size: int, chunk_size: int,
                           compute: torch.dtype) -> int:
-    """Bytes transformers' torch ``mamba2_chunk_scan`` saves for the backward over ``batch`` sequences of
-    ``tokens`` (each padded to whole chunks of ``chunk_size``), arithmetic in ``compute``, its inputs computed in the
-    graph (not leaves). Per padded token: the chunk-local decay, score and masked-score matrices (3 of [chunk,
-    heads]), the inputs, the discretised inputs and their per-chunk layouts (5 of [heads, head_dim]), B and C per
-    head in their einsum layouts (5 of [heads, state_size]) and the step sizes and decays (4 of [heads]); per
-    sequence its chunk states twice (the start states and the states with the initial one); the two chunk masks.
-    Measured by ``tests/ops/test_ssd_scan.py``."""
+    """Bytes the installed transformers' torch ``mamba2_chunk_scan`` saves for the backward over ``batch`` sequences
+    of ``tokens`` (each padded to whole chunks of ``chunk_size``), arithmetic in ``compute``, its inputs computed in
+    the graph (not leaves). Measured by ``tests/ops/test_ssd_scan.py``.
+
+    Einsum form (transformers >= 5.18): per padded token the chunk-local decay, score and masked-score matrices (3
+    of [chunk, heads]), the inputs, the discretised inputs and their per-chunk layouts (5 of [heads, head_dim]), B
+    and C per head in their einsum layouts (5 of [heads, state_size]) and the step sizes and decays (4 of [heads]);
+    per sequence its chunk states twice (the start states and the states with the initial one); the two masks.
+
+    Broadcast form (earlier): per padded token the same 3 of [chunk, heads], the padded and the discretised inputs
+    and the inter-chunk output (3 of [heads, head_dim]), B, C and the decayed B (3 of [heads, state_size]) and two
+    decays (2 of [heads]); per token the unpadded inputs and both step sizes (1 of [heads, head_dim], 2 of [heads]);
+    per sequence the chunk states twice with the final one and the chunk-to-chunk decays; four masks."""
     padded = tokens + (-tokens % chunk_size)
     chunks = padded // chunk_size
-    per_token = 3 * chunk_size * heads + 5 * heads * head_dim + 5 * heads * state_size + 4 * heads
-    states = (2 * chunks + 1) * heads * head_dim * state_size
-    return batch * (padded * per_token + states) * compute.itemsize + 2 * chunk_size * chunk_size
+    if Version(transformers.__version__) >= EINSUM_SCAN_SINCE:
+        per_token = 3 * chunk_size * heads + 5 * heads * head_dim + 5 * heads * state_size + 4 * heads
+        states = (2 * chunks + 1) * heads * head_dim * state_size
+        return batch * (padded * per_token + states) * compute.itemsize + 2 * chunk_size * chunk_size
+    per_padded = 3 * chunk_size * heads + 3 * heads * head_dim + 3 * heads * state_size + 2 * heads
+    per_sequence = (padded * per_padded + tokens * (heads * head_dim + 2 * heads)
+                    + 2 * (chunks + 1) * heads * head_dim * state_size + heads * (chunks + 1) ** 2)
+    return batch * per_sequence * compute.itemsize + 2 * chunk_size * chunk_size + 2 * (chunks + 1) ** 2
