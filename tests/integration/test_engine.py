@@ -60,6 +60,29 @@ def test_update_actor_matches_fsdp2(engines, family, mode, kl_entropy):
     assert "longstraw/fragments" in metrics and "longstraw/prompt_state_bytes" in metrics
 
 
+@pytest.mark.parametrize("family", ("gpt_oss", "nemotron_h", "kimi_linear"))
+def test_window_and_recurrent_mixers_match_fsdp2(dist, model_dirs, family):
+    """gpt_oss (sliding windows of 8 and sinks: prompts of 10-30 tokens outrun them), Nemotron-H's Mamba2 and Kimi
+    Linear's KDA through both engines: log-probs and entropies, then one update_actor step with KL loss and entropy.
+    gpt_oss runs eager attention on both (transformers refuses sdpa for its sinks)."""
+    attn = "eager" if family == "gpt_oss" else "sdpa"
+    path = model_dirs[family]
+    stock = make_engine("fsdp2", path, actor_config("fsdp2", "token-mean", False, 0.0, MBS), MBS,
+                        attn_implementation=attn)
+    longstraw = make_engine("longstraw", path, actor_config("longstraw", "token-mean", False, 0.0, MBS), MBS,
+                            attn_implementation=attn)
+    td = make_batch(n_groups=3, group_size=4, seed=1, temperature=0.7, prompt_len=(10, 30))
+    a, b = compute_log_prob(stock, td.clone(), MBS), compute_log_prob(longstraw, td.clone(), MBS)
+    for key in ("log_probs", "entropy"):
+        x, y = no_padding_2_padding(a[key], td), no_padding_2_padding(b[key], td)
+        assert (x - y).abs().max().item() < 1e-5, key
+    td = make_batch(n_groups=2, group_size=4, seed=2, prompt_len=(10, 30))
+    gs, ps, _ = train_step(stock, td.clone(), actor_config("fsdp2", "token-mean", True, 0.01, MBS), MBS)
+    gl, pl, _ = train_step(longstraw, td.clone(), actor_config("longstraw", "token-mean", True, 0.01, MBS), MBS)
+    assert rel_diff(gl, gs) < 1e-5
+    assert rel_diff(pl, ps) < 1e-5
+
+
 def test_rows_without_response_tokens_match_fsdp2(engines):
     """Rows with a prompt and no response tokens (a whole group of them, and one more) get the
     values fsdp2 gives them and no loss term; the other rows train as in fsdp2."""

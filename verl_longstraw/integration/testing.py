@@ -95,15 +95,17 @@ def actor_config(
     return FSDPActorConfig(strategy="fsdp2", **common)
 
 
-def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1, lora: dict | None = None):
+def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1, lora: dict | None = None,
+                attn_implementation: str = "sdpa"):
     """An initialized engine: veRL's FSDPEngineWithLMHead (fsdp2) or LongStrawEngine; ``lora``: HFModelConfig's
-    LoRA fields (``lora_rank``, ``lora_alpha``, ``target_modules``), which make veRL build a peft model."""
+    LoRA fields (``lora_rank``, ``lora_alpha``, ``target_modules``), which make veRL build a peft model;
+    ``attn_implementation``: the model's (transformers refuses sdpa for gpt_oss, whose sinks it cannot express)."""
     model_config = HFModelConfig(
         path=model_path,
         load_tokenizer=False,
         use_remove_padding=False,
         enable_gradient_checkpointing=True,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attn_implementation},
         **(lora or {}),
     )
     engine_config = config.engine
