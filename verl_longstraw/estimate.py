@@ -59,7 +59,7 @@ from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
 from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
 from .ops.kda import kda_torch_saved_bytes
 from .ops.ssd_scan import ssd_torch_saved_bytes
-from .ops.window_attention import window_attention_saved_bytes
+from .ops.window_attention import window_attention_fused_dtype, window_attention_saved_bytes
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
@@ -180,6 +180,11 @@ class _Shapes:
         self.fused_dtypes = {
             m: planned_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim)
             for m in set(mixers) if m.attends
+        }
+        # the same for each layer over every earlier key with sinks (gpt-oss's full layers), None for the others
+        self.window_fused_dtypes = {
+            m: window_attention_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, m.window)
+            for m in set(mixers) if m.kind == "window_attention"
         }
         # activation bytes one token saves per layer, read for every step of a plan: computed once
         self.layer_token_bytes = [self.token_bytes(idx) for idx in range(len(mixers))]
@@ -306,10 +311,18 @@ class _Shapes:
         calls take the fused kernels (0 without any): in one process ``ops.fused_attention.
         fused_backward_transient_bytes`` of ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the
         batch when it is > 1) where the dispatch takes the fused path for them (``ops.attention.attention_path``;
-        SDPA's backward is not counted), under CP ``parallel.attention.sharded_fused_backward_transient_bytes`` of
-        the ranks' segments ``sizes`` (this rank's ``rank``) over this rank's ``prefix`` rows, ``consecutive``
-        segments (a prompt chunk) or not."""
+        SDPA's backward is not counted; for window-attention layers ``ops.window_attention.
+        window_attention_fused_dtype``, over their past rows), under CP ``parallel.attention.
+        sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes`` (this rank's ``rank``) over this
+        rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or not."""
         largest = 0
+        if self.cp_size == 1:  # window_attention's fused path (CP refuses those layers)
+            for m, fused in self.window_fused_dtypes.items():
+                if fused is not None:
+                    past = prefix if m.window is None else min(prefix, m.window - 1)
+                    largest = max(largest, fused_backward_transient_bytes(
+                        self.device_type, self.dtype, batch, m.q_heads, m.kv_heads, m.qk_dim, tokens, past, tokens,
+                        shared_prefix=batch > 1 and past > 0))
         for m in self.fused_dtypes:
             if not self.pass_q_fused(m):
                 continue
@@ -402,7 +415,8 @@ class _Shapes:
                 m = self.mixers[idx]
                 past = prefix if m.window is None else min(prefix, m.window - 1)
                 total += window_attention_saved_bytes(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, past,
-                                                      m.window, m.sinks, self.dtype, past_shared=batch > 1)
+                                                      m.window, m.sinks, self.dtype, past_shared=batch > 1,
+                                                      device_type=self.device_type)
                 total += row_bytes * batch * tokens
                 continue
             if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the

@@ -418,7 +418,12 @@ def fused_backward_transient_bytes(
 
 
 class _FusedPrefixCausalAttention(torch.autograd.Function):
-    """Autograd function behind ``prefix_causal_attention_fused`` (both passes in ``dtype``, autocast off)."""
+    """Autograd function behind ``prefix_causal_attention_fused`` (both passes in ``dtype``, autocast off).
+
+    Sinks (one logit per query head with no value, in every row's softmax denominator) are one more key set of
+    the merge: the output is scaled by exp(lse - lse'), lse' = logaddexp(lse, sink). The kernels' backward then
+    takes the merged output and logsumexp (the ring identity of the module docstring, the sink one of the key
+    sets), and d(sink) = -sum over rows of exp(sink - lse') * rowsum(dO * O), O the merged output."""
 
     @staticmethod
     @autocast_off
@@ -429,12 +434,16 @@ class _FusedPrefixCausalAttention(torch.autograd.Function):
         v_prefix: torch.Tensor,
         k_self: torch.Tensor,
         v_self: torch.Tensor,
+        sinks: torch.Tensor | None,
         scale: float,
         dtype: torch.dtype,
     ) -> torch.Tensor:
         out, lse, ctx.extras = fused_partial_forward(q, k_prefix, v_prefix, k_self, v_self, scale, dtype)
+        if sinks is not None:
+            merged = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+            out, lse = out * (lse - merged).exp().unsqueeze(-1), merged
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, lse)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, lse, sinks)
         ctx.scale, ctx.dtype = scale, dtype
         return out
 
@@ -442,10 +451,16 @@ class _FusedPrefixCausalAttention(torch.autograd.Function):
     @autocast_off
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors  # unpacked once: activation checkpointing lets each saved tensor unpack once
-        grad_q, *grads = fused_partial_backward(grad_out, *saved, ctx.scale, ctx.dtype, OWN_SEGMENT, ctx.extras,
+        *inputs, sinks = saved
+        grad_q, *grads = fused_partial_backward(grad_out, *inputs, ctx.scale, ctx.dtype, OWN_SEGMENT, ctx.extras,
                                                 ctx.needs_input_grad[:5])
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            acc, out, lse = compute_dtype(ctx.dtype), inputs[5], inputs[6]
+            delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # [B, Hq, N]
+            grad_sinks = -((sinks.to(acc)[None, :, None] - lse).exp() * delta).sum((0, 2)).to(sinks.dtype)
         q = saved[0]
-        return grad_q.to(q.dtype) if grad_q is not None else None, *grads, None, None
+        return grad_q.to(q.dtype) if grad_q is not None else None, *grads, grad_sinks, None, None
 
 
 def prefix_causal_attention_fused(
@@ -456,10 +471,12 @@ def prefix_causal_attention_fused(
     v_self: torch.Tensor,
     scale: float,
     dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every query over the whole prefix and its segment causally; [B, Hq, T, D] in q's dtype.
 
     Arguments as ``prefix_causal_attention_reference`` (no ``key_mask``); ``dtype`` from ``fused_dtype``
-    (which must not be None for these inputs).
+    (which must not be None for these inputs); ``sinks`` [Hq]: learned logits in every row's softmax denominator
+    (gpt-oss; ``_FusedPrefixCausalAttention``), None: none.
     """
-    return _FusedPrefixCausalAttention.apply(q, k_prefix, v_prefix, k_self, v_self, scale, dtype)
+    return _FusedPrefixCausalAttention.apply(q, k_prefix, v_prefix, k_self, v_self, sinks, scale, dtype)

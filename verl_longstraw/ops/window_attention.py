@@ -8,7 +8,9 @@ Hq a multiple of Hk. ``window`` W: query i sees the keys j with i - W < j <= i (
 transformers' sliding-window mask); None: every earlier key. ``sinks`` [Hq] (None: none): one learned logit per
 head in the softmax denominator with no value, i.e. the attention output scaled by sigmoid(lse - sink).
 
-The fast path, ``window_attention``, is three disjoint key sets merged by their logsumexps (``ops.attention.
+The fast path, ``window_attention``: a layer over every earlier key (window None: gpt-oss's full layers) runs on the
+fused flash kernels where they take its inputs (``window_attention_fused_dtype``; ``ops.fused_attention``, the sinks
+one more key set of its logsumexp merge). Otherwise three disjoint key sets merged by their logsumexps (``ops.attention.
 lse_weight``), the sinks a set of their own with output 0: the queries that can still see the past (the first
 W - 1) over the past rows, as rows of one batch-1 query when the past is shared; and each block of queries over the
 own keys of its window. Each part is ``ops.attention.partial_attention`` (dense while small, else the blocked
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import lse_weight, partial_attention, partial_attention_saved_bytes
+from .attention import ATTENTION_PATHS, lse_weight, partial_attention, partial_attention_saved_bytes
 from .blocked_attention import compute_dtype
+from .fused_attention import FUSED_PATHS, planned_fused_dtype, prefix_causal_attention_fused
 
 QUERY_BLOCK = 1024  # queries per own-key call of a windowed layer (at least the window)
 
@@ -46,12 +49,30 @@ def _past_queries(window: int | None, length: int) -> int:
     return length if window is None else min(length, window - 1)
 
 
+def window_attention_fused_dtype(device_type: str, dtype: torch.dtype, q_heads: int, kv_heads: int, qk_dim: int,
+                                 v_dim: int, window: int | None) -> torch.dtype | None:
+    """The dtype the fused kernels run a layer of these inputs in, None where ``window_attention`` takes its
+    partial-attention parts instead: a sliding window (the kernels' masks are causal only), or inputs the kernels do
+    not take (``ops.fused_attention.planned_fused_dtype``, asked of the device where this process has one). The op
+    and the estimate (``window_attention_saved_bytes``, the fused backward's transients) both ask this."""
+    if window is not None:
+        return None
+    return planned_fused_dtype(device_type, dtype, q_heads, kv_heads, qk_dim, v_dim)
+
+
 def window_attention(q, k_past, v_past, k_self, v_self, scale: float, window: int | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of segment ``q`` over the past rows and itself within ``window``, with ``sinks`` (module
     docstring). Returns [B, Hq, T, Dv] in q's dtype."""
     batch, heads, length, _ = q.shape
     past_len = k_past.shape[-2]
+    fused = window_attention_fused_dtype(q.device.type, q.dtype, heads, k_self.shape[1], q.shape[-1],
+                                         v_self.shape[-1], window)
+    if fused is not None and length:
+        if past_len == 0 and k_past.shape[0] != batch:  # nothing to share
+            k_past, v_past = (x.expand(batch, *x.shape[1:]) for x in (k_past, v_past))
+        ATTENTION_PATHS[FUSED_PATHS[q.device.type]] += 1
+        return prefix_causal_attention_fused(q, k_past, v_past, k_self, v_self, scale, fused, sinks)
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (output [B, Hq, T, Dv], lse [B, Hq, T]) per key set
     seeing = _past_queries(window, length)
     if past_len and seeing:
@@ -110,13 +131,18 @@ def window_attention_reference(q, k_past, v_past, k_self, v_self, scale: float, 
 
 def window_attention_saved_bytes(batch: int, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int, queries: int,
                                  past: int, window: int | None, sinks: bool, dtype: torch.dtype,
-                                 past_shared: bool) -> int:
-    """Bytes ``window_attention`` saves for backward for ``batch`` sequences of ``queries`` after ``past`` rows
-    (``past_shared``: a batch-1 past serving the batch), inputs of ``dtype``, with ``sinks`` or not: each
+                                 past_shared: bool, device_type: str) -> int:
+    """Bytes ``window_attention`` saves for backward on a device of ``device_type`` for ``batch`` sequences of
+    ``queries`` after ``past`` rows (``past_shared``: a batch-1 past serving the batch), inputs of ``dtype``, with
+    ``sinks`` or not. On the fused kernels (``window_attention_fused_dtype``): the output (``dtype``) and its
+    logsumexp (``compute_dtype``), the output also being the caller's next input. Otherwise each
     ``partial_attention`` call's (``ops.attention.partial_attention_saved_bytes``), and where there is more than one
     key set (the past, the own keys, the sinks) the merge's: each set's output and ``lse_weight``'s saves.
     The own keys/values are the caller's activations and the past rows the state, counted by their owners."""
     compute = compute_dtype(dtype).itemsize
+    if queries and window_attention_fused_dtype(device_type, dtype, q_heads, kv_heads, qk_dim, v_dim,
+                                                window) is not None:
+        return batch * q_heads * queries * (v_dim * dtype.itemsize + compute)
     total, outputs = 0, 0
     seeing = _past_queries(window, queries)
     if past and seeing:
