@@ -243,3 +243,19 @@ def test_readme_architecture_table_lists_every_supported_model_type():
     table = text.split("## Supported architectures", 1)[1].split("\n\n", 2)[1]
     listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
     assert listed == set(supported_model_types())
+
+
+def test_every_family_builds_on_recent_transformers():
+    """``tiny.unavailable`` skips a family only on a release older than ``EVERY_FAMILY_SINCE``, so a broken tiny
+    config cannot pass as a skipped test on the releases CI and the GPU image run."""
+    import transformers
+    from packaging.version import Version
+
+    from verl_longstraw.tiny import EVERY_FAMILY_SINCE, FAMILIES, VARIANTS, unavailable
+
+    missing = {family: unavailable(family) for family in (*FAMILIES, *DENSE_VARIANTS, *VARIANTS)
+               if unavailable(family)}
+    if Version(transformers.__version__) >= Version(EVERY_FAMILY_SINCE):
+        assert not missing
+    else:
+        assert set(missing) <= {"kimi_linear", "deepseek_v32", "nemotron_h"}, missing

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from peft import LoraConfig, get_peft_model
 
 from verl_longstraw import UnsupportedModelError, group_backward, group_log_probs
@@ -43,6 +45,9 @@ def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
 ])
 @pytest.mark.parametrize("chunk_size", [None, 32])
 def test_lora_gradients_match_standard(family, targets, chunk_size):
+    if family == "glm4_moe" and Version(transformers.__version__) < Version("5.17.0"):
+        pytest.skip("peft's all-linear wraps transformers 5.10's Glm4MoeTopkRouter, whose forward then reads "
+                    "e_score_correction_bias off the wrapper: the model fails on either path")
     model = lora_model(family, target_modules=targets)
     prompt, responses = make_group(VOCAB, 100, (9, 4, 1))
     assert max_log_prob_error(model, prompt, responses, chunk_size=chunk_size) < 1e-5

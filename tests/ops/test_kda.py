@@ -8,7 +8,10 @@ import torch.nn.functional as F
 
 from verl_longstraw.memory import SavedTensorMeter
 from verl_longstraw.ops.kda import kda_rule, kda_torch_saved_bytes, model_kda_rules
-from verl_longstraw.tiny import tiny_model
+from verl_longstraw.tiny import tiny_model, unavailable
+
+if unavailable("kimi_linear"):
+    pytest.skip(unavailable("kimi_linear"), allow_module_level=True)
 
 B, H, DK, DV = 2, 2, 16, 8
 # relative L2 of the float32 chunked rule against the float32 recurrence, both against nothing finer (the model's

@@ -15,7 +15,10 @@ from verl_longstraw.ops.ssd_scan import (
     ssd_torch_saved_bytes,
     step_sizes,
 )
-from verl_longstraw.tiny import tiny_model
+from verl_longstraw.tiny import tiny_model, unavailable
+
+if unavailable("nemotron_h"):
+    pytest.skip(unavailable("nemotron_h"), allow_module_level=True)
 
 B, H, P, G, N = 2, 4, 8, 2, 16
 DT_LIMIT = (1e-3, float("inf"))

@@ -102,8 +102,8 @@ def ssd_scan_reference(
 
 
 # transformers' torch mamba2_chunk_scan contracts with einsums since 5.18.0; before, with broadcast products summed
-# (fewer copies saved). ``tests/ops/test_ssd_scan.py`` measures the count of the installed release; scripts/
-# test_core.sh runs it under 5.10.4 and 5.17.0, the CI under 5.19.
+# (fewer copies saved; 5.17, the GPU image's release). ``tests/ops/test_ssd_scan.py`` measures the count of the
+# installed release: 5.17.0 through scripts/test_core.sh, 5.19 in CI (5.10's nemotron_h has no mamba2_chunk_scan).
 EINSUM_SCAN_SINCE = Version("5.18.0")
 
 
@@ -118,7 +118,7 @@ def ssd_torch_saved_bytes(batch: int, tokens: int, heads: int, head_dim: int, st
     and C per head in their einsum layouts (5 of [heads, state_size]) and the step sizes and decays (4 of [heads]);
     per sequence its chunk states twice (the start states and the states with the initial one); the two masks.
 
-    Broadcast form (earlier): per padded token the same 3 of [chunk, heads], the padded and the discretised inputs
+    Broadcast form (5.17): per padded token the same 3 of [chunk, heads], the padded and the discretised inputs
     and the inter-chunk output (3 of [heads, head_dim]), B, C and the decayed B (3 of [heads, state_size]) and two
     decays (2 of [heads]); per token the unpadded inputs and both step sizes (1 of [heads, head_dim], 2 of [heads]);
     per sequence the chunk states twice with the final one and the chunk-to-chunk decays; four masks."""
