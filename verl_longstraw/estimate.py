@@ -316,13 +316,12 @@ class _Shapes:
         sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes`` (this rank's ``rank``) over this
         rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or not."""
         largest = 0
-        if self.cp_size == 1:  # window_attention's fused path (CP refuses those layers)
+        if self.cp_size == 1:  # window_attention's fused path: layers over every earlier key (CP refuses them)
             for m, fused in self.window_fused_dtypes.items():
                 if fused is not None:
-                    past = prefix if m.window is None else min(prefix, m.window - 1)
                     largest = max(largest, fused_backward_transient_bytes(
-                        self.device_type, self.dtype, batch, m.q_heads, m.kv_heads, m.qk_dim, tokens, past, tokens,
-                        shared_prefix=batch > 1 and past > 0))
+                        self.device_type, self.dtype, batch, m.q_heads, m.kv_heads, m.qk_dim, tokens, prefix, tokens,
+                        shared_prefix=batch > 1 and prefix > 0))
         for m in self.fused_dtypes:
             if not self.pass_q_fused(m):
                 continue

@@ -37,7 +37,7 @@ def output_and_grads(fn, inputs: list, window: int | None) -> list[torch.Tensor]
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 8])
-@pytest.mark.parametrize("batch, past, queries, past_batch", [(1, 0, 9, 1), (3, 7, 12, 1), (2, 3, 20, 2),
+@pytest.mark.parametrize("batch, past, queries, past_batch", [(1, 0, 9, 1), (3, 0, 9, 1), (3, 7, 12, 1), (2, 3, 20, 2),
                                                               (3, 20, 4, 1), (2, 7, 1, 2)])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("dv", [DV, D])

@@ -104,7 +104,7 @@ def ssd_scan_reference(
 # transformers' torch mamba2_chunk_scan contracts with einsums since 5.18.0; before, with broadcast products summed
 # (fewer copies saved; 5.17, the GPU image's release). ``tests/ops/test_ssd_scan.py`` measures the count of the
 # installed release: 5.17.0 through scripts/test_core.sh, 5.19 in CI (5.10's nemotron_h has no mamba2_chunk_scan).
-EINSUM_SCAN_SINCE = Version("5.18.0")
+EINSUM_SCAN = Version(transformers.__version__) >= Version("5.18.0")
 
 
 def ssd_torch_saved_bytes(batch: int, tokens: int, heads: int, head_dim: int, state_size: int, chunk_size: int,
@@ -124,7 +124,7 @@ def ssd_torch_saved_bytes(batch: int, tokens: int, heads: int, head_dim: int, st
     per sequence the chunk states twice with the final one and the chunk-to-chunk decays; four masks."""
     padded = tokens + (-tokens % chunk_size)
     chunks = padded // chunk_size
-    if Version(transformers.__version__) >= EINSUM_SCAN_SINCE:
+    if EINSUM_SCAN:
         per_token = 3 * chunk_size * heads + 5 * heads * head_dim + 5 * heads * state_size + 4 * heads
         states = (2 * chunks + 1) * heads * head_dim * state_size
         return batch * (padded * per_token + states) * compute.itemsize + 2 * chunk_size * chunk_size

@@ -69,8 +69,6 @@ def window_attention(q, k_past, v_past, k_self, v_self, scale: float, window: in
     fused = window_attention_fused_dtype(q.device.type, q.dtype, heads, k_self.shape[1], q.shape[-1],
                                          v_self.shape[-1], window)
     if fused is not None and length:
-        if past_len == 0 and k_past.shape[0] != batch:  # nothing to share
-            k_past, v_past = (x.expand(batch, *x.shape[1:]) for x in (k_past, v_past))
         ATTENTION_PATHS[FUSED_PATHS[q.device.type]] += 1
         return prefix_causal_attention_fused(q, k_past, v_past, k_self, v_self, scale, fused, sinks)
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (output [B, Hq, T, Dv], lse [B, Hq, T]) per key set
