@@ -78,11 +78,11 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear"])
 def test_hybrid_state_is_fixed_size_for_linear_layers(family):
-    """Layer 0 (Gated DeltaNet, Mamba2, Kimi Delta Attention) keeps conv + recurrent state whose size is independent
-    of the prompt's length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks
-    keep none."""
+    """Layer 0 (Gated DeltaNet, Mamba2 of nemotron_h and granitemoehybrid, Kimi Delta Attention) keeps conv +
+    recurrent state whose size is independent of the prompt's length, in storage of that size (no view of a longer
+    buffer); nemotron_h's MLP and MoE blocks keep none."""
     model = tiny_model(family)
     sizes = []
     for n in (10, 90):
@@ -199,6 +199,19 @@ def test_unsupported_feature_is_refused():
         group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
     model.eval()  # dropout is off in eval mode, so the same model is fine there
     group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
+
+
+def test_granite_without_its_mamba_mixer_is_refused():
+    """A Granite model whose linear-attention layer has no Mamba2 mixer (what transformers < 5.17 builds from these
+    layer type names) or whose LM head has a bias (logits_scaling is applied before the head) is refused by field."""
+    model = tiny_model("granitemoehybrid")
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+    with pytest.raises(UnsupportedModelError, match=r"lm_head.bias"):
+        group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
+    model = tiny_model("granitemoehybrid")
+    model.model.layers[0].mamba = None
+    with pytest.raises(UnsupportedModelError, match=r"config.layer_types\[0\] is 'linear_attention'"):
+        group_log_probs(model, torch.tensor([1, 2]), [torch.tensor([3])])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_next", "deepseek_v3"])

@@ -203,7 +203,7 @@ class _Shapes:
             width = c.linear_num_heads * c.linear_head_dim  # the rule's saves: ``segment_saved``
             mixer = KDA_MIXER * width + KDA_FLOAT32 * width * 4 / self.act
         elif m.kind == "mamba2":
-            mixer = MAMBA2_MIXER * c.mamba_num_heads * c.mamba_head_dim  # the scan's saves: ``segment_saved``
+            mixer = MAMBA2_MIXER * m.q_heads * m.v_dim  # the scan's saves: ``segment_saved``
         elif m.kind == "none":
             mixer = 0
         else:
@@ -212,12 +212,11 @@ class _Shapes:
             mixer = MLA_MIXER * (absorbed_query + per_head + (c.q_lora_rank or 0) + c.kv_lora_rank)
         return self.act * (NORM * c.hidden_size + mixer + MLP * self.mlp_widths[idx])
 
-    def ssd_token_bytes(self, tokens: int, batch: int = 1) -> int:
-        """Bytes Mamba2's torch chunked scan saves for ``batch`` sequences of ``tokens`` (``ops.ssd_scan.
-        ssd_torch_saved_bytes``) in the compute dtype."""
-        c = self.config
-        return ssd_torch_saved_bytes(batch, tokens, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
-                                     c.chunk_size, torch.promote_types(self.dtype, torch.float32))
+    def ssd_token_bytes(self, m: Mixer, tokens: int, batch: int = 1) -> int:
+        """Bytes the torch chunked scan of Mamba2 mixer ``m`` saves for ``batch`` sequences of ``tokens``
+        (``ops.ssd_scan.ssd_torch_saved_bytes``) in the compute dtype."""
+        return ssd_torch_saved_bytes(batch, tokens, m.q_heads, m.v_dim, m.state_size, m.scan_chunk,
+                                     torch.promote_types(self.dtype, torch.float32))
 
     def kda_rule_bytes(self, tokens: int, batch: int = 1, value_dim: int | None = None) -> int:
         """Bytes Kimi Delta Attention's torch chunked rule saves for ``batch`` sequences of ``tokens``
@@ -234,12 +233,11 @@ class _Shapes:
         heads, dim = c.linear_num_heads, c.linear_head_dim
         return self.kda_rule_bytes(tokens, value_dim=2 * dim) + self.cp_size * heads * dim * 3 * dim * 4
 
-    def ssd_affine_merge_bytes(self, tokens: int) -> float:
-        """What a CP chunk's affine Mamba2 merge adds (``parallel.ssd``): the summary scan from zero over the
-        rank's tokens and the R gathered summaries [P, N + P] with the R start states [P, N] per head."""
-        c = self.config
-        heads, p, n = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
-        return self.ssd_token_bytes(tokens) + self.cp_size * heads * p * (2 * n + p) * self.compute
+    def ssd_affine_merge_bytes(self, m: Mixer, tokens: int) -> float:
+        """What a CP chunk's affine merge of Mamba2 mixer ``m`` adds (``parallel.ssd``): the summary scan from zero
+        over the rank's tokens and the R gathered summaries [P, N + P] with the R start states [P, N] per head."""
+        heads, p, n = m.q_heads, m.v_dim, m.state_size
+        return self.ssd_token_bytes(m, tokens) + self.cp_size * heads * p * (2 * n + p) * self.compute
 
     def gdn_float32_bytes(self) -> float:
         """Float32 bytes per token that a Gated DeltaNet layer's chunked rule and its float32 intermediates save."""
@@ -404,9 +402,9 @@ class _Shapes:
                     total += self.kda_affine_merge_bytes(tokens)
                 continue
             if kind == "mamba2":  # the chunked scan's saves (each sequence padded to whole chunks)
-                total += self.ssd_token_bytes(tokens, batch)
+                total += self.ssd_token_bytes(self.mixers[idx], tokens, batch)
                 if consecutive and self.cp_size > 1:
-                    total += self.ssd_affine_merge_bytes(tokens)
+                    total += self.ssd_affine_merge_bytes(self.mixers[idx], tokens)
                 continue
             if kind == "none":
                 continue

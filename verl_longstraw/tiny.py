@@ -10,6 +10,8 @@ import functools
 import torch
 import transformers
 
+from .adapters import adapter_on_meta
+
 VOCAB = 128
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False
@@ -121,6 +123,14 @@ def _base_config(family: str):
             n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
         )
+    if family == "granitemoehybrid":  # Granite 4.0: Mamba2 and RoPE attention layers, MoE + shared MLP, multipliers
+        return transformers.GraniteMoeHybridConfig(
+            **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+        )
     if family == "gpt_oss":  # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
         return transformers.GptOssConfig(
             **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -132,20 +142,25 @@ def _base_config(family: str):
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
-# Nemotron-H's Mamba2 hybrid, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full attention with sinks
-VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "gpt_oss")
+# Nemotron-H's and Granite 4.0's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full attention
+# with sinks
+VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "granitemoehybrid", "kimi_linear",
+            "gpt_oss")
 
 
 @functools.cache
 def unavailable(family: str) -> str | None:
-    """Why the installed transformers cannot build ``family``'s tiny model, None where it can: its config class is
-    absent (kimi_linear, deepseek_v32 in 5.10) or refuses the fields of the releases the adapter serves
-    (nemotron_h's layer types in 5.10). The tests skip such a family with this reason; from
+    """Why the installed transformers cannot build ``family``'s tiny model or its adapter serve it, None where it
+    can: its config class is absent (kimi_linear, deepseek_v32 in 5.10), refuses the fields of the releases the
+    adapter serves (nemotron_h's layer types in 5.10) or builds a model the adapter refuses (granitemoehybrid in
+    5.10: other layer type names, no mamba2_chunk_scan). The tests skip such a family with this reason; from
     ``EVERY_FAMILY_SINCE`` on every family builds (``tests/test_core_contract.py``)."""
     try:
-        _base_config(family)
-    except Exception as error:  # AttributeError: no such class; huggingface_hub's validation error (not a ValueError)
-        return f"transformers {transformers.__version__} cannot build {family} ({type(error).__name__}: {error})"[:300]
+        adapter_on_meta(_base_config(family))
+    except Exception as error:  # AttributeError: no such class; huggingface_hub's validation error (not a ValueError);
+        # UnsupportedModelError: the adapter's refusal
+        reason = " ".join(str(error).split())  # one line (validation errors span several)
+        return f"transformers {transformers.__version__} cannot build {family} ({type(error).__name__}: {reason})"[:300]
     return None
 
 

@@ -13,5 +13,5 @@ def dist():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "kimi_linear")
+    families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear")
     return {f: testing.save_tiny_model(f, str(root / f)) for f in families}

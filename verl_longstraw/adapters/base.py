@@ -191,7 +191,8 @@ class Mixer:
     "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
     state) or "none" (no token mixer: a block of an MLP or MoE alone, nemotron_h). Attention kinds: the op's call
     shape, ``q_heads``, ``kv_heads``, ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate
-    packed into ``q_proj`` (which then projects to twice the query width)."""
+    packed into ``q_proj`` (which then projects to twice the query width). "mamba2": the scan's shape, ``q_heads``
+    SSM heads of ``v_dim`` channels, ``kv_heads`` B/C groups of ``state_size``, chunks of ``scan_chunk`` tokens."""
 
     kind: str
     q_heads: int = 0
@@ -201,6 +202,8 @@ class Mixer:
     gated_output: bool = False
     window: int | None = None
     sinks: bool = False
+    state_size: int = 0
+    scan_chunk: int = 0
 
     @property
     def attends(self) -> bool:

@@ -30,6 +30,12 @@ def mamba2_kinds(mixer: nn.Module) -> tuple[Fixed, Fixed]:
     return conv, ssm
 
 
+def mamba2_mixer(mixer: nn.Module) -> Mixer:
+    """The chunked scan's shape (``Mixer`` "mamba2") as the module runs it."""
+    return Mixer("mamba2", q_heads=mixer.num_heads, kv_heads=mixer.n_groups, v_dim=mixer.head_dim,
+                 state_size=mixer.ssm_state_size, scan_chunk=mixer.chunk_size)
+
+
 def mamba2_mix(mixer: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerState) -> tuple[torch.Tensor,
                                                                                                   LayerState]:
     """Mamba2 over segment ``x`` [B, S, hidden] continuing (conv_state, ssm_state) [1, ...] (copied per sequence for
@@ -73,7 +79,7 @@ class NemotronHAdapter(Adapter):
     def mixer(self, idx: int) -> Mixer:
         block = self._block(idx)
         if block == "linear_attention":
-            return Mixer("mamba2")
+            return mamba2_mixer(self.layers[idx].mixer)
         return Mixer("none") if block in _MLP_BLOCKS else attention_mixer(self.layers[idx].mixer)
 
     def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
