@@ -200,7 +200,7 @@ class _Shapes:
             value_dim = c.linear_num_value_heads * c.linear_value_head_dim
             mixer = 2 * (key_dim + value_dim) + self.gdn_float32_bytes() / self.act
         elif m.kind == "kda":
-            width = c.linear_num_heads * c.linear_head_dim  # the rule's saves: ``segment_saved``
+            width = m.q_heads * m.v_dim  # the rule's saves: ``segment_saved``
             mixer = KDA_MIXER * width + KDA_FLOAT32 * width * 4 / self.act
         elif m.kind == "mamba2":
             mixer = MAMBA2_MIXER * m.q_heads * m.v_dim  # the scan's saves: ``segment_saved``
@@ -218,20 +218,17 @@ class _Shapes:
         return ssd_torch_saved_bytes(batch, tokens, m.q_heads, m.v_dim, m.state_size, m.scan_chunk,
                                      torch.promote_types(self.dtype, torch.float32))
 
-    def kda_rule_bytes(self, tokens: int, batch: int = 1, value_dim: int | None = None) -> int:
+    def kda_rule_bytes(self, m: Mixer, tokens: int, batch: int = 1, value_dim: int | None = None) -> int:
         """Bytes Kimi Delta Attention's torch chunked rule saves for ``batch`` sequences of ``tokens``
         (``ops.kda.kda_torch_saved_bytes``; values of ``value_dim`` per head, the head dim if None). On CUDA with
         flash-linear-attention's ``chunk_kda`` the rule saves less: this is the bound the estimate counts there."""
-        c = self.config
-        dim = c.linear_head_dim
-        return kda_torch_saved_bytes(batch, tokens, c.linear_num_heads, dim, value_dim or dim)
+        return kda_torch_saved_bytes(batch, tokens, m.q_heads, m.qk_dim, value_dim or m.v_dim)
 
-    def kda_affine_merge_bytes(self, tokens: int) -> float:
+    def kda_affine_merge_bytes(self, m: Mixer, tokens: int) -> float:
         """What a CP chunk's affine KDA merge adds (``parallel.kda``): the summary run of the rule on values [v | 0]
         (2 x head dim per head) and the R gathered summaries [D, 2D] with the R start states [D, D] per head."""
-        c = self.config
-        heads, dim = c.linear_num_heads, c.linear_head_dim
-        return self.kda_rule_bytes(tokens, value_dim=2 * dim) + self.cp_size * heads * dim * 3 * dim * 4
+        heads, dim = m.q_heads, m.qk_dim
+        return self.kda_rule_bytes(m, tokens, value_dim=2 * dim) + self.cp_size * heads * dim * 3 * dim * 4
 
     def ssd_affine_merge_bytes(self, m: Mixer, tokens: int) -> float:
         """What a CP chunk's affine merge of Mamba2 mixer ``m`` adds (``parallel.ssd``): the summary scan from zero
@@ -397,9 +394,9 @@ class _Shapes:
                     total += self.gdn_affine_merge_bytes(tokens)
                 continue
             if kind == "kda":  # the chunked rule's saves (each sequence padded to whole chunks)
-                total += self.kda_rule_bytes(tokens, batch)
+                total += self.kda_rule_bytes(self.mixers[idx], tokens, batch)
                 if consecutive and self.cp_size > 1:
-                    total += self.kda_affine_merge_bytes(tokens)
+                    total += self.kda_affine_merge_bytes(self.mixers[idx], tokens)
                 continue
             if kind == "mamba2":  # the chunked scan's saves (each sequence padded to whole chunks)
                 total += self.ssd_token_bytes(self.mixers[idx], tokens, batch)

@@ -192,7 +192,8 @@ class Mixer:
     state) or "none" (no token mixer: a block of an MLP or MoE alone, nemotron_h). Attention kinds: the op's call
     shape, ``q_heads``, ``kv_heads``, ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate
     packed into ``q_proj`` (which then projects to twice the query width). "mamba2": the scan's shape, ``q_heads``
-    SSM heads of ``v_dim`` channels, ``kv_heads`` B/C groups of ``state_size``, chunks of ``scan_chunk`` tokens."""
+    SSM heads of ``v_dim`` channels, ``kv_heads`` B/C groups of ``state_size``, chunks of ``scan_chunk`` tokens;
+    "kda": the rule's ``q_heads`` heads of ``qk_dim`` keys and ``v_dim`` values."""
 
     kind: str
     q_heads: int = 0

@@ -62,7 +62,10 @@ class KimiLinearAdapter(MultiHeadLatentAttentionAdapter):
         return self.config.layer_types[idx] == "linear_attention"
 
     def mixer(self, idx: int) -> Mixer:
-        return Mixer("kda") if self._is_linear(idx) else super().mixer(idx)
+        if self._is_linear(idx):  # the rule's shape: heads of head_dim keys and values
+            kda = self.layers[idx].self_attn
+            return Mixer("kda", q_heads=kda.num_heads, qk_dim=kda.head_dim, v_dim=kda.head_dim)
+        return super().mixer(idx)
 
     def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
         return kda_kinds(self.layers[idx].self_attn) if self._is_linear(idx) else super().state_kinds(idx)
