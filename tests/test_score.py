@@ -79,6 +79,21 @@ def test_matches_reference(dtype: torch.dtype, temperature: float, with_entropy:
     assert no_worse_than_standard(errors, dtype), errors
 
 
+def test_float64_head_gradients_stay_float64() -> None:
+    """A float64 head's gradients are summed in float64 over the row chunks: chunks of 3 rows give one chunk's
+    gradients to float64 rounding (a float32 sum, as before, differed by ~1e-8; the per-row log-softmax is
+    float32 in both, so only the sum's dtype can tell them apart)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(29, 24, generator=gen, dtype=torch.float64)
+    head = torch.nn.Linear(24, 301, dtype=torch.float64)
+    targets = torch.randint(0, 301, (29,), generator=gen)
+    grads = scored(score, hidden, head, targets, 1.0, True, chunk_rows=3)[2]
+    expected = scored(score, hidden, head, targets, 1.0, True, chunk_rows=29)[2]
+    for grad, ref_grad in zip(grads, expected, strict=True):
+        assert grad.dtype == torch.float64
+        assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-12
+
+
 def test_without_autograd() -> None:
     """The log-prob pass (no grad) returns the reference's values (as accurate against float64) and builds no
     graph."""

@@ -43,7 +43,7 @@ class _LinearScore(torch.autograd.Function):
     """Autograd function behind ``score``: (log-probs [T], entropy [T] or [0]) of ``hidden`` [T, H] under the
     LM head (``weight`` [vocab, H], ``bias``), a row chunk at a time. Saves ``hidden``, the head's parameters and
     ``targets``; the backward recomputes each chunk's logits and log-softmax under the forward's autocast state
-    and sums the head's gradient in float32."""
+    and sums the head's gradient in float32 (float64 for a float64 head)."""
 
     @staticmethod
     def forward(
@@ -78,8 +78,9 @@ class _LinearScore(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        sum_dtype = torch.promote_types(weight.dtype, torch.float32)  # float32, float64 for a float64 head
+        grad_weight = torch.zeros(weight.shape, dtype=sum_dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=sum_dtype, device=bias.device) if need_bias else None
         for start in range(0, len(hidden), ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
@@ -97,9 +98,9 @@ class _LinearScore(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[rows] = grad_logits @ weight
                 if need_weight:
-                    grad_weight += (grad_logits.t() @ hidden[rows]).float()
+                    grad_weight += (grad_logits.t() @ hidden[rows]).to(sum_dtype)
             if need_bias:
-                grad_bias += grad_logits.float().sum(0)
+                grad_bias += grad_logits.to(sum_dtype).sum(0)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),

@@ -21,6 +21,8 @@ import torch
 
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
+from verl_longstraw.ops.kda import kda_reference
+from verl_longstraw.ops.ssd_scan import reference_chunk_scan
 
 if TYPE_CHECKING:
     import pytest
@@ -155,6 +157,19 @@ def exact_linear_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
     """
     for owner, name in _linear_attention_kernels(model):
         monkeypatch.setattr(owner, name, _reference_chunk_rule)
+
+
+def exact_recurrences(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``exact_linear_attention``, and make the model's Mamba2 scan and Kimi Delta Attention rule (which both paths
+    look up in the model's transformers module: ``ops.ssd_scan.model_chunk_scan``, ``ops.kda.model_kda_rules``)
+    compute in the input dtype: their token-by-token references (``ops.ssd_scan.reference_chunk_scan``,
+    ``ops.kda.kda_reference``) in place of the float32 kernels, so a float64 model is float64 in every mixer."""
+    exact_linear_attention(model, monkeypatch)
+    replacements = {"mamba2_chunk_scan": reference_chunk_scan, "chunk_kimi_delta_attention": kda_reference}
+    for python_module in {sys.modules[type(module).__module__] for module in model.modules()}:
+        for name, replacement in replacements.items():
+            if hasattr(python_module, name):
+                monkeypatch.setattr(python_module, name, replacement)
 
 
 @contextlib.contextmanager

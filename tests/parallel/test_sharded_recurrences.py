@@ -7,11 +7,12 @@ weights its own outputs and puts its own terminal weight on the replicated final
 the sum of the ranks' and its gradients equal each rank's gradients of its own tokens and the SUM over ranks of the
 replicated inputs' partial gradients (the initial state; the scan's A and D).
 
-Two kernels per op. ``float64``: a token-by-token recurrence in float64 (``ssd_scan_reference``; for KDA
-``kda_float64`` below, checked against the model's rule), so the merge algebra is exact: agreement < 1e-10. ``model``:
-the model's own chunked kernel, which computes in float32 whatever its inputs (transformers' mamba2_chunk_scan and
-chunk_kimi_delta_attention cast them), so the sharded run differs from one run by float32 roundings in another order:
-40 float32 eps relative L2, the bound ``tests/ops`` holds these kernels to against their references.
+Two kernels per op. ``float64``: a token-by-token recurrence in float64 (``ops.ssd_scan.reference_chunk_scan``;
+for KDA ``ops.kda.kda_reference``, checked against the model's rule), so the merge algebra is exact: agreement
+< 1e-10. ``model``: the model's own chunked kernel, which computes in float32 whatever its inputs (transformers'
+mamba2_chunk_scan and chunk_kimi_delta_attention cast them), so the sharded run differs from one run by float32
+roundings in another order: 40 float32 eps relative L2, the bound ``tests/ops`` holds these kernels to against their
+references.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_longstraw.ops.ssd_scan import ssd_scan_reference
+from verl_longstraw.ops.kda import kda_reference
+from verl_longstraw.ops.ssd_scan import reference_chunk_scan
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.kda import sharded_kda_rule
 from verl_longstraw.parallel.launch import run_ranks
@@ -35,28 +37,16 @@ SSD_REPLICATED = ("A", "D", "initial_state")
 KDA_TOKENS = ("q", "k", "v", "g", "beta")
 
 
-def ssd_float64(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=True):
-    """``ssd_scan_reference`` (float64 for float64 inputs) under the model scan's signature."""
-    return ssd_scan_reference(x, dt, A, B, C, D, initial_states)
-
-
 def kda_float64(q, k, v, g, beta, initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True):
-    """The KDA recurrence of ``ops.kda``'s docstring, one token at a time, in the inputs' dtype, under the model
-    rule's signature: (output [B, S, H, Dv], final state [B, H, Dk, Dv])."""
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    state, outputs = initial_state, []
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None]
-        delta = beta[:, t, :, None] * (v[:, t] - (k[:, t, :, :, None] * state).sum(-2))
-        state = state + k[:, t, :, :, None] * delta[..., None, :]
-        outputs.append((q[:, t, :, :, None] * state).sum(-2))
-    return torch.stack(outputs, dim=1), state
+    """``ops.kda.kda_reference`` (the recurrence in the inputs' dtype) under the model rule's signature as
+    ``ops.kda.kda_rule`` calls it: (output [B, S, H, Dv], final state [B, H, Dk, Dv])."""
+    return kda_reference(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 # the models' kernels where this transformers has the model (5.10 has neither): their cases run only then
 NEMOTRON_H_MISSING, KIMI_LINEAR_MISSING = unavailable("nemotron_h"), unavailable("kimi_linear")
-KERNELS = {("ssd", "float64"): ssd_float64, ("kda", "float64"): kda_float64}
+KERNELS = {("ssd", "float64"): reference_chunk_scan, ("kda", "float64"): kda_float64}
 if not NEMOTRON_H_MISSING:
     from transformers.models.nemotron_h import modeling_nemotron_h
 

@@ -14,7 +14,7 @@ Arithmetic is float32; the output has q's dtype, the final state is float32.
 of the model's module, which transformers binds to flash-linear-attention's ``chunk_kda`` where that is installed,
 and is the plain torch chunked form otherwise); the module's ``recurrent_kimi_delta_attention`` (the token-by-token
 recurrence) is the reference the tests compare it with. Both are differentiable in every input including the
-initial state.
+initial state. ``kda_reference`` is the same recurrence in the inputs' dtype (the model's rules compute in float32).
 """
 
 from __future__ import annotations
@@ -59,6 +59,28 @@ def kda_rule(rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor) -> 
     rule: (output [B, S, H, Dv], final state [B, H, Dk, Dv] float32)."""
     return rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
                 use_qk_l2norm_in_kernel=True)
+
+
+def kda_reference(q, k, v, g, beta, chunk_size: int = CHUNK_LEN, initial_state: torch.Tensor | None = None,
+                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, **_: object
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence of the module docstring one token at a time, in the inputs' dtype (float64 stays float64),
+    under the signature of transformers' ``chunk_kimi_delta_attention`` (``chunk_size`` unused): (output [B, S, H,
+    Dv], final state [B, H, Dk, Dv] or None). What a test puts in the model's place so that both paths of a
+    float64 model run KDA in float64 (``testing.exact_recurrences``)."""
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    batch, _, heads, k_dim = k.shape
+    state = initial_state if initial_state is not None else k.new_zeros(batch, heads, k_dim, v.shape[-1])
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None]
+        delta = beta[:, t, :, None] * (v[:, t] - (k[:, t, :, :, None] * state).sum(-2))
+        state = state + k[:, t, :, :, None] * delta[..., None, :]
+        outputs.append((q[:, t, :, :, None] * state).sum(-2))
+    return torch.stack(outputs, dim=1), (state if output_final_state else None)
 
 
 def kda_torch_saved_bytes(batch: int, tokens: int, heads: int, k_dim: int, v_dim: int) -> int:

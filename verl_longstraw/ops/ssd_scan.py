@@ -101,6 +101,37 @@ def ssd_scan_reference(
     return torch.stack(outputs, dim=1), state
 
 
+def reference_chunk_scan(
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    **_: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ssd_scan_reference`` under the signature of transformers' ``mamba2_chunk_scan`` (its step-size ops first;
+    ``chunk_size`` unused): what a test puts in the model's place so that both paths of a float64 model scan in
+    float64 (``testing.exact_recurrences``; the model's own scan computes in float32 whatever its inputs)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    if initial_states is None:
+        batch, _, heads, head_dim = hidden_states.shape
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        initial_states = hidden_states.new_zeros(batch, heads, head_dim, B.shape[-1], dtype=compute)
+    out, final = ssd_scan_reference(hidden_states, dt, A, B, C, D, initial_states)
+    return (out, final) if return_final_states else out
+
+
 # transformers' torch mamba2_chunk_scan contracts with einsums since 5.18.0; before, with broadcast products summed
 # (fewer copies saved; 5.17, the GPU image's release). ``tests/ops/test_ssd_scan.py`` measures the count of the
 # installed release: 5.17.0 through scripts/test_core.sh, 5.19 in CI (5.10's nemotron_h has no mamba2_chunk_scan).

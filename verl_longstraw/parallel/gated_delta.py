@@ -141,7 +141,8 @@ def affine_delta_rule(rule: Callable[..., tuple[torch.Tensor, torch.Tensor]], q,
     summary_start = torch.cat([initial_state.new_zeros(batch, v_heads, dk, dv), identity], dim=-1)
     values = torch.cat([v, v.new_zeros(batch, tokens, v_heads, dk)], dim=-1)
     _, summary = rule(q.detach(), k, values, g, beta, summary_start)
-    start, final = AffineMerge.apply(summary, initial_state, group)
+    # a float32 kernel (the model's KDA rule) returns a float32 summary of a float64 model's state: merge in its dtype
+    start, final = AffineMerge.apply(summary.to(initial_state.dtype), initial_state, group)
     out, _ = rule(q, k, v, g, beta, start)
     return out, final
 
