@@ -163,11 +163,13 @@ def engine_knobs(n: Lengths) -> dict[str, dict | None]:
     return {FSDP2: None, STAR: {}, TREE: tree, "tree_chunked": dict(tree, response_chunk_size=n.response_chunk_size)}
 
 
-def shape_engines(shape: str) -> dict[str, str]:
-    """The engines measured on ``shape``: reported name -> built engine (``engine_knobs``)."""
+def shape_engines(shape: str, fsdp2: bool = True) -> dict[str, str]:
+    """The engines measured on ``shape``: reported name -> built engine (``engine_knobs``); without ``fsdp2``
+    the longstraw engines only."""
+    engines = {FSDP2: FSDP2} if fsdp2 else {}
     if shape == "c":
-        return {FSDP2: FSDP2, STAR: STAR, TREE: "tree_chunked", UNSEGMENTED: TREE}
-    return {FSDP2: FSDP2, STAR: STAR, TREE: TREE}
+        return {**engines, STAR: STAR, TREE: "tree_chunked", UNSEGMENTED: TREE}
+    return {**engines, STAR: STAR, TREE: TREE}
 
 
 def star_units(micro_batches: list, fragments: list[list]) -> list[list]:
@@ -207,7 +209,7 @@ def measure_trimmed(fn: Callable[[], Any]) -> tuple[Any, float, float, float]:
     return result, seconds, time.process_time() - cpu, rss
 
 
-def case_rows(engines: dict, shape: str, n: Lengths, seed: int, repeats: int) -> list[dict]:
+def case_rows(engines: dict, shape: str, n: Lengths, seed: int, repeats: int, fsdp2: bool = True) -> list[dict]:
     """Every engine's measurements (``engines``: built name -> (engine, config)) of one batch of ``shape``, both
     ops, the batch identical for all. A longstraw engine's call runs ``repeats`` times: its fastest run's seconds
     and metrics, the fewest CPU seconds, the largest peak RSS delta, every run's (``seconds_runs``,
@@ -217,7 +219,7 @@ def case_rows(engines: dict, shape: str, n: Lengths, seed: int, repeats: int) ->
     td = testing.samples_batch(prompts, responses, uids, gen)
     rows_tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     out = []
-    for name, built in shape_engines(shape).items():
+    for name, built in shape_engines(shape, fsdp2).items():
         engine, config = engines[built]
         for op in OPS:
             load = [round(x, 1) for x in os.getloadavg()]
@@ -362,6 +364,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each longstraw call (the fastest is "
                         "reported); fsdp2, 10-25x slower, runs once")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-fsdp2", action="store_true", help="leave veRL's stock engine out (the targets compare "
+                        "with the star path; at scale 1 fsdp2 alone takes an hour or more on 2 cores)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if not 0 < args.scale <= 1:
@@ -381,11 +385,12 @@ def main() -> None:
         for family in args.models:
             config = dict(FAMILIES[family], max_position_embeddings=longest)
             path = testing.save_tiny_model(family, f"{tmp}/{family}", **config)
-            needed = {built for shape in args.shapes for built in shape_engines(shape).values()}
+            needed = {built for shape in args.shapes for built in shape_engines(shape, not args.no_fsdp2).values()}
             engines = {name: build(name, path, knobs, rows) for name, knobs in engine_knobs(n).items()
                        if name in needed}
             for shape in args.shapes:
-                case = [dict(model=family, **r) for r in case_rows(engines, shape, n, args.seed, args.repeats)]
+                case = [dict(model=family, **r)
+                        for r in case_rows(engines, shape, n, args.seed, args.repeats, not args.no_fsdp2)]
                 for r in case:
                     print(json.dumps(r), flush=True)
                 result["rows"] += case
