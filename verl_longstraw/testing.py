@@ -18,11 +18,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
-from verl_longstraw.ops.kda import kda_reference
-from verl_longstraw.ops.ssd_scan import reference_chunk_scan
 
 if TYPE_CHECKING:
     import pytest
@@ -159,17 +159,33 @@ def exact_linear_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(owner, name, _reference_chunk_rule)
 
 
-def exact_recurrences(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``exact_linear_attention``, and make the model's Mamba2 scan and Kimi Delta Attention rule (which both paths
-    look up in the model's transformers module: ``ops.ssd_scan.model_chunk_scan``, ``ops.kda.model_kda_rules``)
-    compute in the input dtype: their token-by-token references (``ops.ssd_scan.reference_chunk_scan``,
-    ``ops.kda.kda_reference``) in place of the float32 kernels, so a float64 model is float64 in every mixer."""
-    exact_linear_attention(model, monkeypatch)
-    replacements = {"mamba2_chunk_scan": reference_chunk_scan, "chunk_kimi_delta_attention": kda_reference}
-    for python_module in {sys.modules[type(module).__module__] for module in model.modules()}:
-        for name, replacement in replacements.items():
-            if hasattr(python_module, name):
-                monkeypatch.setattr(python_module, name, replacement)
+class _Float64Throughout(TorchDispatchMode):
+    """Every float32 an operator is asked for (a cast, a factory's or a reduction's dtype) becomes float64."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def widen(value):
+            return torch.float64 if value is torch.float32 else value
+
+        return func(*tree_map(widen, args), **tree_map(widen, kwargs or {}))
+
+
+@contextlib.contextmanager
+def float64_throughout() -> Iterator[None]:
+    """Inside, a float64 model computes in float64 everywhere: every float32 that an operator is asked for (the
+    ``.to(torch.float32)`` of transformers' RMSNorms, routers and rotary tables, the float32 accumulators of its
+    Gated DeltaNet, Mamba2 and KDA kernels, LongStraw's float32 scoring and state-gradient sums) is float64, and so
+    is the default dtype. A float64 comparison of two paths (context parallel against one process) then measures
+    their algorithms, not where a float32 rounding of nearly equal values happens to flip (~1e-8 relative).
+
+    A ``TorchDispatchMode``: it acts on ATen operators, so the autograd backward (which runs the same modes on
+    the CPU) is float64 too. Tests only; the model must already be float64."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with _Float64Throughout():
+            yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 @contextlib.contextmanager

@@ -66,8 +66,8 @@ def kda_reference(q, k, v, g, beta, chunk_size: int = CHUNK_LEN, initial_state: 
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence of the module docstring one token at a time, in the inputs' dtype (float64 stays float64),
     under the signature of transformers' ``chunk_kimi_delta_attention`` (``chunk_size`` unused): (output [B, S, H,
-    Dv], final state [B, H, Dk, Dv] or None). What a test puts in the model's place so that both paths of a
-    float64 model run KDA in float64 (``testing.exact_recurrences``)."""
+    Dv], final state [B, H, Dk, Dv] or None). What a test puts in the model's place to compare a sharded rule
+    with a recurrence independent of the model's chunked one."""
     if use_qk_l2norm_in_kernel:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)

@@ -117,8 +117,8 @@ def reference_chunk_scan(
     **_: object,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``ssd_scan_reference`` under the signature of transformers' ``mamba2_chunk_scan`` (its step-size ops first;
-    ``chunk_size`` unused): what a test puts in the model's place so that both paths of a float64 model scan in
-    float64 (``testing.exact_recurrences``; the model's own scan computes in float32 whatever its inputs)."""
+    ``chunk_size`` unused): what a test puts in the model's place to compare a sharded scan with a recurrence
+    independent of the model's chunked one (the model's own scan computes in float32 whatever its inputs)."""
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
