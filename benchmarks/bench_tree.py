@@ -11,7 +11,7 @@ Three batch shapes, every engine on the identical batch in the same run (one mic
 Engines (fp32, SDPA, veRL's gradient checkpointing on, SGD lr 1e-6, as `bench_engine.py`):
 - `tree`: the longstraw engine as configured by default (one process: the micro-batch's rows as prefix trees,
   `tree_log_probs` / `tree_backward`), with `min_shared_tokens` 64 x scale; in shape c with `response_chunk_size`
-  2048 x scale;
+  2048 x scale (``--response-chunk-size``, in tokens at scale 1);
 - `star`: the same engine with its units forced to the GRPO groups (`regroup`, by uid and prompt) through
   `group_log_probs` / `group_backward`: the path before prefix trees, what the engine runs under context
   parallelism; every distinct prompt is captured on its own;
@@ -359,7 +359,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of every length (module docstring)")
-    for name in ("groups", "group_size", "trajectories"):
+    for name in ("groups", "group_size", "trajectories", "response_chunk_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Lengths, name))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each longstraw call (the fastest is "
                         "reported); fsdp2, 10-25x slower, runs once")
@@ -372,7 +372,8 @@ def main() -> None:
         parser.error(f"--scale {args.scale} must be in (0, 1]")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
-    n = Lengths(groups=args.groups, group_size=args.group_size, trajectories=args.trajectories).scaled(args.scale)
+    n = Lengths(groups=args.groups, group_size=args.group_size, trajectories=args.trajectories,
+                response_chunk_size=args.response_chunk_size).scaled(args.scale)
     command = " ".join(["python", "benchmarks/bench_tree.py", *map(shlex.quote, sys.argv[1:])])
     longest = max(n.system + n.group_prompt + n.response, n.growth * n.turns, n.long_prompt + n.long_response)
     result = dict(command=command, machine=machine(), torch_threads=torch.get_num_threads(), uptime_start=uptime(),
