@@ -126,8 +126,9 @@ def _float64_worker(rank: int, world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_float64_matches_single_process(world):
     """Float64 models, every family that claims CP: log-probs and gradients within 1e-10 of one process (measured
-    on AMD EPYC, AVX2: <= 8.9e-16 and <= 7.1e-16 at R = 2 and 3; without ``float64_throughout`` the float32 internals
-    leave 1e-8 to 7e-8 in the gradients of the MoE, MLA, Gated DeltaNet, Mamba2 and KDA families)."""
+    on AMD EPYC Zen 4, AVX-512 kernels: <= 8.9e-16 and <= 7.1e-16 at R = 2 and 3; without ``float64_throughout``
+    the float32 internals leave 1e-8 to 7e-8 in the gradients of the MoE, MLA, Gated DeltaNet, Mamba2 and KDA
+    families)."""
     results = run_ranks(_float64_worker, world, timeout_s=600)
     assert len(results[0]) == len(_float64_cases(world))
     for reference in results[0]:

@@ -17,7 +17,7 @@ from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chunk_size, response_chunk_size, mode
 # Float64 models computing in float64 throughout (``testing.float64_throughout``): values relative to their
-# magnitude and gradients relative L2, against one process (measured at R = 2, 3, AMD EPYC AVX2: <= 7.3e-16)
+# magnitude and gradients relative L2, against one process (measured at R = 2, 3, AMD EPYC Zen 4: <= 7.3e-16)
 FLOAT64_TOL = 1e-10
 
 
