@@ -96,6 +96,22 @@ def test_entropy_in_loss(model, group):
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
+def test_float64_throughout_keeps_float64():
+    """``float64_throughout`` turns the float32 that transformers' RMSNorm asks for into float64 (the norm equals
+    its float64 formula to 1e-15; outside, it is rounded through float32) and restores the default dtype."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(64).double()
+    x = torch.randn(5, 64, dtype=torch.float64)
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    with float64_throughout():
+        inside = norm(x)
+        assert torch.ones(1).dtype == torch.ones(1, dtype=torch.float32).dtype == torch.float64
+    assert float((inside - exact).abs().max()) < 1e-15
+    assert float((norm(x) - exact).abs().max()) > 1e-9
+    assert torch.get_default_dtype() == torch.float32
+
+
 @pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_exact_gradient_float64(family):
     """Float64 models computing in float64 throughout (``testing.float64_throughout``; transformers' norms,
