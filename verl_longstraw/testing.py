@@ -144,14 +144,16 @@ def _linear_attention_kernels(model) -> list[tuple[object, str]]:
     return list(places.values())
 
 
+def _widen(value: object) -> object:
+    """float64 for float32, anything else as it is."""
+    return torch.float64 if value is torch.float32 else value
+
+
 class _Float64Throughout(TorchDispatchMode):
     """Every float32 an operator is asked for (a cast, a factory's or a reduction's dtype) becomes float64."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        def widen(value):
-            return torch.float64 if value is torch.float32 else value
-
-        return func(*tree_map(widen, args), **tree_map(widen, kwargs or {}))
+        return func(*tree_map(_widen, args), **tree_map(_widen, kwargs or {}))
 
 
 @contextlib.contextmanager
