@@ -112,6 +112,18 @@ def test_float64_throughout_keeps_float64():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_float64_throughout_widens_float32_buffers_and_keeps_views():
+    """A float32 tensor made before the mode (transformers 5.17 keeps a float64 model's rotary ``inv_freq`` in
+    float32) is read as float64 by a functional operator, while a write through a view of it still lands in it."""
+    buffer = torch.arange(4, dtype=torch.float32)
+    with float64_throughout():
+        product = buffer[None, :, None].float() @ torch.ones(1, 1, 3, dtype=torch.float64)
+        buffer[1:3] = torch.tensor([7.0, 8.0])
+        buffer.mul_(2)
+    assert product.dtype == torch.float64 and buffer.dtype == torch.float32
+    assert buffer.tolist() == [0.0, 14.0, 16.0, 6.0]
+
+
 @pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_exact_gradient_float64(family):
     """Float64 models computing in float64 throughout (``testing.float64_throughout``; transformers' norms,

@@ -144,16 +144,33 @@ def _linear_attention_kernels(model) -> list[tuple[object, str]]:
     return list(places.values())
 
 
-def _widen(value: object) -> object:
-    """float64 for float32, anything else as it is."""
+def _widen_dtype(value: object) -> object:
+    """float64 for the dtype float32, anything else (tensors included) as it is."""
     return torch.float64 if value is torch.float32 else value
 
 
+def _widen(value: object) -> object:
+    """float64 for the dtype float32 and for a float32 tensor (a copy), anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.to(torch.float64)
+    return _widen_dtype(value)
+
+
+def _is_functional(func) -> bool:
+    """Whether operator ``func`` neither writes into nor returns a view of any argument (its schema marks no
+    argument with alias information): only then may a float32 argument be replaced by a float64 copy."""
+    return all(argument.alias_info is None for argument in func._schema.arguments)
+
+
 class _Float64Throughout(TorchDispatchMode):
-    """Every float32 an operator is asked for (a cast, a factory's or a reduction's dtype) becomes float64."""
+    """Every float32 an operator is asked for (a cast, a factory's or a reduction's dtype) becomes float64, and so
+    does every float32 tensor a functional operator reads (a float32 buffer a model keeps, e.g. transformers 5.17's
+    rotary ``inv_freq`` of a model built in float64). Views and in-place operators see their arguments as they are,
+    so a write through a view still lands in its base."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*tree_map(_widen, args), **tree_map(_widen, kwargs or {}))
+        widen = _widen if _is_functional(func) else _widen_dtype
+        return func(*tree_map(widen, args), **tree_map(widen, kwargs or {}))
 
 
 @contextlib.contextmanager
