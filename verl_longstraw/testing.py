@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import inspect
 import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from verl_longstraw import group_backward, group_log_probs
 from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
+from verl_longstraw.ops.kda import kda_reference
 
 Grads = dict[str, torch.Tensor]
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -193,21 +195,63 @@ def float64_throughout() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
+KDA_RULE = "chunk_kimi_delta_attention"  # the global transformers' Kimi Delta Attention forward calls
+
+
+def _reference_kda_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, **_):
+    """transformers' ``chunk_kimi_delta_attention`` call over the token-by-token recurrence ``ops.kda.kda_reference``
+    in float32 arithmetic (float64 for float64 inputs), as the model's rule computes: (output [B, S, H, Dv] in q's
+    dtype, final state [B, H, Dk, Dv] or None)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    state = None if initial_state is None else initial_state.to(dtype)
+    out, final = kda_reference(*(t.to(dtype) for t in (q, k, v, g, beta)), initial_state=state,
+                               output_final_state=output_final_state,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return out.to(q.dtype), final
+
+
+def _kda_mixers(model) -> list[torch.nn.Module]:
+    """The Kimi Delta Attention mixers of ``model``: modules whose forward calls their transformers module's
+    ``chunk_kimi_delta_attention`` global."""
+    return [module for module in model.modules()
+            if hasattr(sys.modules[type(module).__module__], KDA_RULE)
+            and KDA_RULE in inspect.unwrap(type(module).forward).__code__.co_names]
+
+
+def _forward_with_reference_kda(self, *args, **kwargs):
+    """A KDA mixer's own forward with its module's ``chunk_kimi_delta_attention`` global set to the reference
+    recurrence while it runs (replay calls the rule outside the forward: ``adapters.kda.kda_mix``)."""
+    python_module = sys.modules[type(self).__module__]
+    found = getattr(python_module, KDA_RULE)
+    setattr(python_module, KDA_RULE, _reference_kda_rule)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        setattr(python_module, KDA_RULE, found)
+
+
 @contextlib.contextmanager
 def reference_linear_attention(model) -> Iterator[None]:
-    """Inside, the model's own (standard-path) Gated DeltaNet is the token-by-token reference recurrence (an
-    algorithm independent of the chunked one replay uses), restored on exit: gpu_check's standard path then never
-    runs fla's TF32 kernel, whatever transformers picked. Every model of the same transformers
-    module is affected while inside; copies made inside keep the reference."""
+    """Inside, the model's own (standard-path) Gated DeltaNet and Kimi Delta Attention are the token-by-token
+    reference recurrences (algorithms independent of the chunked ones replay uses), restored on exit: gpu_check's
+    standard path then never runs fla's TF32 kernels, whatever transformers picked. Gated DeltaNet: every model of
+    the same transformers module is affected while inside (replay runs ``ops.gated_delta_rule``); KDA: the forward
+    of ``model``'s mixers (replay calls the model's rule outside it). Copies made inside keep the reference."""
     places = _linear_attention_kernels(model)
     found = [(owner, name, getattr(owner, name)) for owner, name in places]
     for owner, name in places:
         setattr(owner, name, _reference_chunk_rule)
+    mixers = _kda_mixers(model)
+    for mixer in mixers:  # bound to the instance, so a deep copy binds it to the copy
+        mixer.forward = MethodType(_forward_with_reference_kda, mixer)
     try:
         yield
     finally:
         for owner, name, kernel in found:
             setattr(owner, name, kernel)
+        for mixer in mixers:
+            del mixer.forward
 
 
 def load_script(path: str | Path) -> ModuleType:

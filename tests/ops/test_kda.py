@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops.kda import kda_rule, kda_torch_saved_bytes, model_kda_rules
+from verl_longstraw.ops.kda import chunked_rule, kda_rule, kda_torch_saved_bytes, model_kda_rules
 from verl_longstraw.tiny import tiny_model, unavailable
 
 if unavailable("kimi_linear"):
@@ -48,6 +48,19 @@ def test_model_kda_rules_are_the_models(rules) -> None:
     from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
     assert rules.chunked is hf.chunk_kimi_delta_attention and rules.recurrent is hf.recurrent_kimi_delta_attention
+
+
+def test_float32_replay_takes_the_plain_torch_form(rules) -> None:
+    """``chunked_rule``: the model's bound rule for half precision (flash-linear-attention's ``chunk_kda`` where
+    transformers bound it); for float32 / float64 the torch function the binding wraps, defined in the module."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+
+    mixer = tiny_model("kimi_linear").model.layers[0].self_attn
+    assert chunked_rule(mixer, torch.bfloat16) is chunked_rule(mixer, torch.float16) is rules.chunked
+    for dtype in (torch.float32, torch.float64):
+        plain = chunked_rule(mixer, dtype)
+        assert plain.__module__ == hf.__name__ and plain.__name__ == "chunk_kimi_delta_attention"
+        assert not hasattr(plain, "__wrapped__") and plain is not rules.chunked
 
 
 @pytest.mark.parametrize("seq_len", [1, 37, 64, 130])

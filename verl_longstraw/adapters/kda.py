@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..ops.kda import model_kda_rules
+from ..ops.kda import chunked_rule
 from ..state import Fixed, LayerState, StateKind
 from .base import Adapter, Mixer, SegmentContext, per_sequence, register
 from .mla import MultiHeadLatentAttentionAdapter
@@ -33,9 +33,10 @@ def kda_mix(mixer: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerS
                                                                                                LayerState]:
     """KDA over segment ``x`` [B, S, hidden] continuing (conv_state, recurrent_state) [1, ...] (copied per sequence
     for B > 1), the ops of transformers' ``KimiLinearDeltaAttention``: q, k, v projections through the causal conv
-    and its activation, the model's per-channel forget gate and sigmoid beta, the chunked rule (``ops.kda``: the
-    model's own, flash-linear-attention's ``chunk_kda`` where installed) with q, k L2-normalised, the sigmoid-gated
-    RMSNorm, o_proj. The new conv state owns its storage; the recurrent state stays float32."""
+    and its activation, the model's per-channel forget gate and sigmoid beta, the chunked rule with q, k
+    L2-normalised (``ops.kda.chunked_rule``: the model's own, flash-linear-attention's ``chunk_kda`` where installed,
+    for half-precision inputs; its plain torch form otherwise), the sigmoid-gated RMSNorm, o_proj. The new conv
+    state owns its storage; the recurrent state stays float32."""
     conv_state, recurrent_state = past
     batch, seq_len = x.shape[:2]
     heads_shape = (batch, seq_len, -1, mixer.head_dim)
@@ -45,7 +46,7 @@ def kda_mix(mixer: nn.Module, x: torch.Tensor, ctx: SegmentContext, past: LayerS
     mixed = ACT2FN[mixer.activation](F.conv1d(conv_in, weight, mixer.conv1d.bias, groups=weight.shape[0]))
     q, k, v = (t.reshape(heads_shape) for t in torch.split(mixed.transpose(1, 2), [mixer.qkv_dim] * 3, dim=-1))
     beta = torch.sigmoid(mixer.b_proj(x))
-    out, new_recurrent_state = ctx.kda_rule(model_kda_rules(mixer).chunked, q, k, v, mixer.forget_gate(x), beta,
+    out, new_recurrent_state = ctx.kda_rule(chunked_rule(mixer, q.dtype), q, k, v, mixer.forget_gate(x), beta,
                                             per_sequence(recurrent_state, batch))
     gate = mixer.g_b_proj(mixer.g_a_proj(x)).view(heads_shape)
     out = mixer.o_norm(out, gate).reshape(batch, seq_len, -1)

@@ -12,13 +12,16 @@ Arithmetic is float32; the output has q's dtype, the final state is float32.
 
 ``kda_rule`` runs the model's own chunked rule (``model_kda_rules``: transformers' ``chunk_kimi_delta_attention``
 of the model's module, which transformers binds to flash-linear-attention's ``chunk_kda`` where that is installed,
-and is the plain torch chunked form otherwise); the module's ``recurrent_kimi_delta_attention`` (the token-by-token
-recurrence) is the reference the tests compare it with. Both are differentiable in every input including the
+and is the plain torch chunked form otherwise); ``chunked_rule`` picks it for half-precision inputs and the plain
+torch form for float32 / float64 (whose arithmetic fla's TF32 dots would not keep), as ``ops.gated_delta_rule``
+does for Gated DeltaNet. The module's ``recurrent_kimi_delta_attention`` (the token-by-token recurrence) is the
+reference the tests compare it with. Both are differentiable in every input including the
 initial state. ``kda_reference`` is the same recurrence in the inputs' dtype (the model's rules compute in float32).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -52,6 +55,14 @@ def model_kda_rules(mixer: nn.Module) -> KdaRules:
             "transformers release's Kimi Delta Attention is not supported (transformers>=5.10 has it)"
         )
     return KdaRules(*rules)
+
+
+def chunked_rule(mixer: nn.Module, dtype: torch.dtype) -> DeltaRule:
+    """The chunked rule replay runs for inputs of ``dtype`` in ``mixer``'s model: for float16 / bfloat16 the model's
+    own (``model_kda_rules``: flash-linear-attention's ``chunk_kda`` where transformers bound it), otherwise the
+    plain torch chunked form that binding wraps (float32 arithmetic, float64 for float64 inputs)."""
+    chunked = model_kda_rules(mixer).chunked
+    return chunked if dtype in (torch.float16, torch.bfloat16) else inspect.unwrap(chunked)
 
 
 def kda_rule(rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
