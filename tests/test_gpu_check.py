@@ -1,15 +1,17 @@
 """benchmarks/gpu_check.py runs end to end at tiny size on CPU and writes its report; how it survives failures.
 
-The end-to-end run is a subprocess set up as the lent GPU machine is: no veRL, no flash-linear-attention (their
-imports raise RuntimeError, as a broken install would, not ImportError), this package found by the script's own
-sys.path entry alone (nothing on PYTHONPATH but the blocker, the editable install's finder removed, a temporary
-cwd). Its default device is ``meta``, as for the in-process runs here: every tensor the check (or the code it
-calls) creates without naming a device lands on ``meta`` and fails as soon as it meets the CPU tensors the
-check placed explicitly, as a CPU tensor would meet CUDA tensors on a GPU.
+The end-to-end runs are subprocesses set up as the lent GPU machine is: no veRL, no flash-linear-attention (their
+imports raise RuntimeError, as a broken install would, not ImportError), this package found by the scripts' own
+sys.path entries alone (nothing on PYTHONPATH but the blocker, the editable install's finder removed, a temporary
+cwd). Their default device is ``meta``: every tensor the check (or the code it calls) creates without naming a device
+lands on ``meta`` and fails as soon as it meets the CPU tensors the check placed explicitly, as a CPU tensor would
+meet CUDA tensors on a GPU. The supervisor runs each stage in a process of its own; the faults injected here (a stage
+that hangs, a row that overruns its stage) act in those processes, through the same sitecustomize.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -21,21 +23,29 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers.models.kimi_linear.modeling_kimi_linear as kimi_modeling
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5_modeling
 
 from verl_longstraw.ops import gated_delta_rule as gdn
 from verl_longstraw.testing import load_script
-from verl_longstraw.tiny import tiny_model
+from verl_longstraw.tiny import FAMILIES, VARIANTS, tiny_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(GPU_CHECK.parent))  # the stages import the supervisor's constants
 gpu_check = load_script(GPU_CHECK)
-# upper bounds (equivalence and fsdp2 take what they need: about a quarter of this on an idle 2-core CI machine)
-TINY_STAGE_SECONDS = ["--equivalence-seconds", "150", "--fsdp2-seconds", "60", "--scale-seconds", "15",
-                      "--ops-seconds", "20"]
-# sitecustomize of the subprocess: what a bare GPU machine lacks raises on import; facts for the test at exit
+stages = load_script(GPU_CHECK.parent / "gpu_check_stages.py")
+# upper bounds (the stages take what they need: about a quarter of this on an idle 2-core CI machine)
+TINY_STAGE_SECONDS = ["--equivalence-seconds", "240", "--fsdp2-seconds", "120", "--scale-seconds", "30",
+                      "--ops-seconds", "40"]
+# the newest cases of each kind: a Mamba2 hybrid, KDA, GLM-5.2's shared indexer (DSA top-k), Gated DeltaNet
+SUITE_CASES = ["granitemoehybrid", "kimi_linear", "glm_moe_dsa_shared_indexer", "qwen3_5"]
+# sitecustomize of the subprocesses: what a bare GPU machine lacks raises on import; the faults GPU_CHECK_FAULTS
+# names ("stage:model_type:hang|slow", comma-separated) act in the standard path's first log-prob of a row of that
+# model type in that stage's process (hang: never returns, the time-limit signal blocked as a CUDA call blocks it;
+# slow: returns a second past the stage's deadline); facts for the test at exit, one file per process
 BARE_MACHINE = '''
-import atexit, importlib.util, json, os, sys
+import atexit, importlib.util, json, os, signal, sys, time
 
 BLOCKED = ("verl", "fla")
 
@@ -52,19 +62,52 @@ class Blocked:
 
 
 sys.meta_path[:] = [Blocked] + [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable")]
-import torch
+STAGE = sys.argv[sys.argv.index("--stage") + 1] if "--stage" in sys.argv else None
+FAULTS = dict(f.rsplit(":", 1) for f in os.environ.get("GPU_CHECK_FAULTS", "").split(",") if f)
+if STAGE is not None:
+    import torch
 
-torch.set_default_device("meta")
+    torch.set_default_device("meta")
+if STAGE is not None and FAULTS:  # the checkout on sys.path now, as the stage script puts it there later
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(sys.argv[0]))))
+    import verl_longstraw.testing as testing
+
+    full_log_probs = testing.full_log_probs
+
+    def faulty_full_log_probs(model, *args, **kwargs):
+        fault = FAULTS.pop(f"{STAGE}:{model.config.model_type}", None)
+        if fault is not None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            until = float(sys.argv[sys.argv.index("--until") + 1])
+            time.sleep(3600 if fault == "hang" else max(until - time.monotonic() + 1.0, 0.0))
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+        return full_log_probs(model, *args, **kwargs)
+
+    testing.full_log_probs = faulty_full_log_probs
 
 
 @atexit.register
 def facts():
     package = sys.modules.get("verl_longstraw")
-    with open(os.environ["BARE_MACHINE_FACTS"], "w") as f:
-        json.dump({"package": getattr(package, "__file__", None), "attempts": sorted(Blocked.attempts),
+    with open(os.path.join(os.environ["BARE_MACHINE_FACTS"], f"{os.getpid()}.json"), "w") as f:
+        json.dump({"stage": STAGE, "package": getattr(package, "__file__", None),
+                   "attempts": sorted(Blocked.attempts),
                    "imported": sorted(n for n in sys.modules if n.partition(".")[0] in BLOCKED),
                    "flash_attn": importlib.util.find_spec("flash_attn") is not None}, f)
 '''
+
+
+def run_gpu_check(folder: Path, args: list[str], faults: str = "") -> subprocess.CompletedProcess:
+    """``python benchmarks/gpu_check.py --tiny --out folder/out *args`` as on a bare machine (module docstring)."""
+    site, facts = folder / "site", folder / "facts"
+    site.mkdir(exist_ok=True)
+    facts.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BARE_MACHINE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env.update(PYTHONPATH=str(site), PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1", BARE_MACHINE_FACTS=str(facts),
+               GPU_CHECK_FAULTS=faults)
+    return subprocess.run([sys.executable, str(GPU_CHECK), "--tiny", "--out", str(folder / "out"), *args],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _compared(row: dict) -> bool:
@@ -72,120 +115,233 @@ def _compared(row: dict) -> bool:
 
 
 def test_gpu_check_tiny_on_a_bare_machine(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BARE_MACHINE)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(PYTHONPATH=str(site), PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1",
-               BARE_MACHINE_FACTS=str(tmp_path / "facts.json"))
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, str(GPU_CHECK), "--tiny", "--out", str(out), *TINY_STAGE_SECONDS],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = run_gpu_check(tmp_path, ["--families", *SUITE_CASES, *TINY_STAGE_SECONDS])
     assert run.returncode == 0, run.stderr[-6000:]
-    facts = json.loads((tmp_path / "facts.json").read_text())
-    assert Path(facts["package"]).is_relative_to(ROOT / "verl_longstraw"), facts
-    assert facts["imported"] == [] and not facts["flash_attn"], facts  # as on the lent image
-    assert "fla" in facts["attempts"], facts  # transformers tried fla and took its torch path
+    facts = [json.loads(p.read_text()) for p in (tmp_path / "facts").iterdir()]
+    assert sorted(f["stage"] for f in facts if f["stage"]) == sorted(gpu_check.STAGES)  # a process per stage
+    for f in facts:
+        assert f["imported"] == [] and not f["flash_attn"], f  # as on the lent image
+        if f["stage"]:
+            assert Path(f["package"]).is_relative_to(ROOT / "verl_longstraw"), f
+        else:
+            assert f["package"] is None, f  # the supervisor needs the standard library only
+    assert any("fla" in f["attempts"] for f in facts if f["stage"] == "equivalence"), facts  # transformers tried fla
 
-    result = json.loads((out / "gpu_check_tiny.json").read_text())
+    result = json.loads((tmp_path / "out" / "gpu_check_tiny.json").read_text())
+    assert result["stage_order"] == ["ops", "scale", "equivalence", "fsdp2"]
     rows = result["equivalence"]
-    assert all(_compared(r) for r in rows), rows
-    assert {r["dtype"] for r in rows} == {"float32", "bfloat16", gpu_check.AUTOCAST}
-    # float32 and bfloat16-cast replay pass on every family; every glm_moe_dsa row (sparse top-k selection), the
-    # shared-indexer case's included, passes. The autocast rows of the dense families are reported, not required: on
-    # CPU their replay errs ~2x the standard path under autocast (gradients of every parameter, lm_head's included),
-    # see the report for the GPU's.
-    dsa = [r for r in rows if gpu_check.case_config(r["family"])[0] == "glm_moe_dsa"]
-    assert all(r["passed"] for r in rows if r["dtype"] != gpu_check.AUTOCAST or r in dsa), rows
-    assert {r["family"] for r in dsa} == {"glm_moe_dsa", "glm_moe_dsa_shared_indexer"}
-    assert gpu_check.OVERRIDES["glm_moe_dsa"]["index_topk"] < 64  # below the tiny prompt: selection runs
+    # newest case first, bfloat16 -> autocast -> float32 within a case
+    assert [r["key"] for r in rows] == [f"{case} {dtype}" for case in SUITE_CASES
+                                        for dtype in gpu_check.EQUIVALENCE_DTYPES]
+    assert all(_compared(r) and r["passed"] for r in rows), rows
+    dsa = [r for r in rows if r["family"] == "glm_moe_dsa_shared_indexer"]
+    assert all(r["groups"] == stages.SELECTION_GROUPS["glm_moe_dsa"] for r in dsa)
     fsdp = result["fsdp2"]  # the FSDP2 helpers run without veRL
-    assert [r["family"] for r in fsdp] == ["qwen3", "glm_moe_dsa"] and all(_compared(r) for r in fsdp), fsdp
+    assert [r["family"] for r in fsdp] == SUITE_CASES and all(_compared(r) for r in fsdp), fsdp
     assert any(r["fits"] for r in result["scale"])
     assert {r["path"] for r in result["scale"]} == {"standard", "exact", "detached"}
     kernels = result["kernels"]
-    assert set(kernels) == {"equivalence", "fsdp2", "ops", "scale"} and all(k["attention"] for k in kernels.values())
-    ops = result["ops"]  # the fused op and two-shard pass-Q at a GQA shape, and MLA's, within the standard's error
-    assert [(r["shape"], r["op"]) for r in ops] == [("attention", "prefix_causal_attention"),
-                                                    ("attention", "pass_q_two_ranks"),
-                                                    ("mla absorbed", "prefix_causal_attention")], ops
-    assert all(r["passed"] for r in ops) and ops[0]["paths"] == {"fused_flash_cpu": 1}, ops
-    assert all(set(r["paths"]) <= set(kernels["ops"]["attention"]) for r in ops), kernels  # every case's kernels
+    assert set(kernels) == set(gpu_check.STAGES) and all(k["attention"] for k in kernels.values())
+    ops = result["ops"]  # the fused op, two-shard pass-Q, MLA's and gpt-oss's sinks, within the standard's error
+    assert [(r["shape"], r["op"], r["window"]) for r in ops] == [
+        ("attention", "prefix_causal_attention", None), ("attention", "pass_q_two_ranks", None),
+        ("mla absorbed", "prefix_causal_attention", None), ("gpt-oss full + sinks", "window_attention", None),
+        ("gpt-oss window 8 + sinks", "window_attention", 8)], ops
+    assert all(r["passed"] for r in ops) and ops[0]["paths"] == ops[3]["paths"] == {"fused_flash_cpu": 1}, ops
+    assert [r["standard"].split()[0] for r in ops] == ["sdpa", "sdpa", "sdpa", "gpt_oss", "gpt_oss"], ops
+    assert all("sinks" in r["errors"] and "standard_sinks" in r["abs_errors"] for r in ops[3:]), ops
+    assert all(set(r["paths"]) <= set(kernels["ops"]["attention"]) for r in ops), kernels  # every row's kernels
     assert all(0 < r["error_ratio"] < math.inf for r in ops), ops
     assert any("plain torch" in path for path in kernels["equivalence"]["gated_delta_rule"]), kernels
     versions = result["versions"]
     assert versions["torch"] == torch.__version__ and versions["fla_kernel_importable"] is False, versions
-    assert result["longest_fitting_P"] and result["stages_that_compared_nothing"] == [] and not result["stage_errors"]
-    markdown = (out / "gpu_check_tiny.md").read_text()
-    assert markdown.startswith("# GPU check") and "## FSDP2" in markdown and "gated delta rule" in markdown
+    assert all(keys == [] for keys in (*result["never_compared"].values(), *result["failed"].values())), result
+    assert result["longest_fitting_P"] and not result["stage_errors"]
+    markdown = (tmp_path / "out" / "gpu_check_tiny.md").read_text()
+    assert markdown.startswith("# GPU check") and "## Summary" in markdown and "## FSDP2" in markdown
     assert "## Peak memory" in run.stdout  # each stage's markdown is printed when it ends
 
 
-def test_failing_cases_and_stages_are_recorded_and_a_lost_device_ends_the_run(tmp_path, monkeypatch, capsys):
-    ok = gpu_check.error_row({"log_prob": 0.0, "grad": 0.0, "standard_log_prob": 0.0, "standard_grad": 0.0}, True)
-    real_op_case = gpu_check.op_case
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """A run whose equivalence stage's first row overruns the stage and whose fsdp2 stage hangs in its first row:
+    (its folder, the completed process, its report, its seconds)."""
+    folder = tmp_path_factory.mktemp("faulty")
+    args = ["--families", "qwen3", "--ops-seconds", "40", "--scale-seconds", "40", "--equivalence-seconds", "6",
+            "--fsdp2-seconds", "6", "--overrun-seconds", "4"]
+    started = time.monotonic()
+    run = run_gpu_check(folder, args, faults="equivalence:qwen3:slow,fsdp2:qwen3:hang")
+    return folder, run, json.loads((folder / "out" / "gpu_check_tiny.json").read_text()), time.monotonic() - started
 
-    def equivalence_case(models, family, name, *args):
-        if (family, name) == ("qwen3_5", "bfloat16"):
+
+def test_a_row_past_its_stage_leaves_the_later_rows_skipped_and_the_exit_non_zero(faulty_run):
+    folder, run, report, _ = faulty_run
+    assert run.returncode == 1, run.stderr[-4000:]
+    assert [(r["key"], r["skipped"]) for r in report["equivalence"]] == [
+        ("qwen3 bfloat16", "time limit"), ("qwen3 autocast_bfloat16", "time limit"), ("qwen3 float32", "time limit")]
+    keys = [r["key"] for r in report["equivalence"]]
+    assert report["never_compared"]["equivalence"] == keys
+    assert f"equivalence: 3 of 3 planned rows never compared: {', '.join(keys)}" in run.stderr
+    markdown = (folder / "out" / "gpu_check_tiny.md").read_text()
+    assert f"| equivalence | 3 | 0 | 0 | 3: {', '.join(keys)} |" in markdown
+    assert "**Never compared** (3 of 3 planned)" in markdown
+
+
+def test_a_hung_stage_is_killed_and_the_other_stages_keep_their_rows(faulty_run):
+    folder, run, report, seconds = faulty_run
+    assert "hung" in report["stage_errors"]["fsdp2"] and report["fsdp2"] == []
+    assert report["never_compared"]["fsdp2"] == ["qwen3"]
+    assert len(report["ops"]) == 5 and all(r["passed"] for r in report["ops"])
+    assert report["scale"] and not report["never_compared"]["scale"]
+    assert len(report["equivalence"]) == 3  # every stage's rows in the report, the hung one's end included
+    assert seconds < 150
+
+
+def test_a_rerun_runs_only_the_rows_never_compared(faulty_run, tmp_path):
+    folder, _, old, _ = faulty_run
+    run = run_gpu_check(tmp_path, ["--rerun-failed", str(folder / "out" / "gpu_check_tiny.json"), "--families",
+                                   "qwen3", *TINY_STAGE_SECONDS])
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads((tmp_path / "out" / "gpu_check_tiny.json").read_text())
+    facts = [json.loads(p.read_text())["stage"] for p in (tmp_path / "facts").iterdir()]
+    assert sorted(s for s in facts if s) == ["equivalence", "fsdp2"]  # ops and scale passed: carried, not run
+    assert report["ops"] == old["ops"] and report["scale"] == old["scale"]
+    assert set(report["not_run"]) == {"ops", "scale"}
+    assert [r["key"] for r in report["equivalence"]] == old["never_compared"]["equivalence"]
+    assert [r["key"] for r in report["fsdp2"]] == ["qwen3"]
+    assert all(not keys for keys in report["never_compared"].values()) and report["rerun_of"]
+
+
+def test_only_the_rows_a_rerun_lacks_are_run(tmp_path):
+    """In one stage process: the rows named in the skip set are not planned or run; the merge keeps the old passed
+    rows in the planned order."""
+    old_part = stages.run_stage("ops", tmp_path / "old.json", time.monotonic() + 60, tiny=True)
+    old = {"planned": {"ops": old_part.planned}, "ops": old_part.rows[:2] + [{**old_part.rows[2], "passed": False}]}
+    skip = frozenset(r["key"] for r in gpu_check._passed_rows(old, "ops"))
+    assert len(skip) == 2
+    new_part = stages.run_stage("ops", tmp_path / "new.json", time.monotonic() + 60, tiny=True, skip=skip)
+    assert new_part.planned == old_part.planned[2:]
+    result = {"planned": {}, "stage_errors": {}, "kernels": {}, "device": None, "ops": []}
+    gpu_check.merge(result, "ops", json.loads((tmp_path / "new.json").read_text()), None, old)
+    assert [r["key"] for r in result["ops"]] == old_part.planned
+    assert result["ops"][:2] == old["ops"][:2]
+
+
+def test_failing_rows_and_stages_are_recorded_and_a_lost_device_ends_the_stage(tmp_path, monkeypatch, capsys):
+    ok = stages.error_row({"log_prob": 0.0, "grad": 0.0, "standard_log_prob": 0.0, "standard_grad": 0.0}, True)
+    real_op_case = stages.op_case
+
+    def equivalence_case(models, case, name, *args):
+        if (case, name) == ("qwen3_5", "bfloat16"):
             raise ValueError("injected case failure")
         return ok
 
     def process_group(device):
         raise RuntimeError("injected NCCL failure")
 
-    def op_case(name, shape, op, *args):
-        if op == "pass_q_two_ranks":
+    def op_case(case, *args):
+        if case.op == "pass_q_two_ranks":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_op_case(name, shape, op, *args)
+        return real_op_case(case, *args)
 
-    monkeypatch.setattr(gpu_check, "equivalence_case", equivalence_case)
-    monkeypatch.setattr(gpu_check, "process_group", process_group)
-    monkeypatch.setattr(gpu_check, "op_case", op_case)
+    monkeypatch.setattr(stages, "equivalence_case", equivalence_case)
+    monkeypatch.setattr(stages, "process_group", process_group)
+    monkeypatch.setattr(stages, "op_case", op_case)
+    parts = {}
     with torch.device("meta"):
-        result = gpu_check.main(["--tiny", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
-    assert report["equivalence"] == result["equivalence"]
-    failed = [r for r in report["equivalence"] if "skipped" in r]
-    assert len(report["equivalence"]) == 15 and [(r["family"], r["dtype"]) for r in failed] == [("qwen3_5", "bfloat16")]
+        for stage in ("ops", "equivalence", "fsdp2"):
+            stages.run_stage(stage, tmp_path / f"{stage}.json", time.monotonic() + 60, tiny=True,
+                             cases=("qwen3_5", "qwen3"))
+            parts[stage] = json.loads((tmp_path / f"{stage}.json").read_text())
+    failed = [r for r in parts["equivalence"]["rows"] if "skipped" in r]
+    assert len(parts["equivalence"]["rows"]) == 6 and [r["key"] for r in failed] == ["qwen3_5 bfloat16"]
     assert failed[0]["skipped"] == "error: ValueError: injected case failure"
     assert "in equivalence_case" in failed[0]["traceback"], failed
-    assert report["fsdp2"] == [] and "injected NCCL failure" in report["stage_errors"]["fsdp2"]
-    assert [r["op"] for r in report["ops"]] == ["prefix_causal_attention", "pass_q_two_ranks"]  # then it is lost
-    assert report["ops"][0]["passed"] and "illegal memory access" in report["ops"][1]["device_lost"], report["ops"]
-    assert "illegal memory access" in report["stage_errors"]["ops"]
-    assert report["scale"] == [] and "illegal memory access" in report["not_run"]["scale"]
-    assert report["stages_that_compared_nothing"] == ["fsdp2", "scale"]
-    assert "Not run" in (tmp_path / "gpu_check_tiny.md").read_text()
+    assert parts["fsdp2"]["rows"] == [] and "injected NCCL failure" in parts["fsdp2"]["stage_error"]
+    assert [r["op"] for r in parts["ops"]["rows"]] == ["prefix_causal_attention", "pass_q_two_ranks"]  # then lost
+    assert "illegal memory access" in parts["ops"]["stage_error"]
+
+    result = {"device": None, "machine": None, "versions": None, "budget_seconds": 60.0, "rerun_of": None,
+              "stage_order": ["ops", "equivalence", "fsdp2"], "stage_seconds": {}, "kernels": {}, "stage_errors": {},
+              "not_run": {}, "planned": {}, "never_compared": {}, "failed": {},
+              **{stage: [] for stage in gpu_check.STAGES}}
+    for stage, part in parts.items():
+        gpu_check.merge(result, stage, part, None, None)
+    gpu_check.merge(result, "scale", None, "its process exited with status 1", None)
+    gpu_check.Report(result, tmp_path, "report", time.monotonic())
+    assert result["never_compared"] == {"ops": ["attention pass_q_two_ranks", "mla absorbed prefix_causal_attention",
+                                                "gpt-oss full + sinks window_attention",
+                                                "gpt-oss window 8 + sinks window_attention"],
+                                        "equivalence": ["qwen3_5 bfloat16"], "fsdp2": ["qwen3_5", "qwen3"],
+                                        "scale": ["every scale row (the stage ended before planning them)"]}
+    assert "Stopped by an error outside its rows" in (tmp_path / "report.md").read_text()
     capsys.readouterr()
-    assert gpu_check.exit_status(result) == 1 and "fsdp2, scale" in capsys.readouterr().err
-    assert gpu_check.exit_status({"stages_that_compared_nothing": []}) == 0
+    assert gpu_check.exit_status(result) == 1 and "ops: 4 of 5 planned rows never compared" in capsys.readouterr().err
+    assert result["stage_errors"]["scale"] == "its process exited with status 1"
+    assert gpu_check.exit_status({"never_compared": {"ops": []}}) == 0
+
+
+def test_a_stage_past_its_time_skips_its_rows(tmp_path):
+    start = time.monotonic()
+    with torch.device("meta"):
+        part = stages.run_stage("equivalence", tmp_path / "part.json", time.monotonic() + 0.5, tiny=True)
+    assert time.monotonic() - start < 30
+    assert {"skipped": "time limit"}.items() <= part.rows[-1].items()
+    assert len(part.rows) == len(part.planned) == 3 * len(gpu_check.CASES_NEWEST_FIRST)
+
+
+def test_the_cases_are_every_model_type_newest_first():
+    assert sorted(gpu_check.CASES_NEWEST_FIRST) == sorted((*FAMILIES, *VARIANTS, *gpu_check.CONFIG_VARIANTS))
+    assert gpu_check.CASES_NEWEST_FIRST[-1] == "qwen3"  # the first family served
+
+
+@pytest.mark.parametrize("case", gpu_check.CASES_NEWEST_FIRST)
+def test_half_precision_rows_route_every_expert(case):
+    """The bfloat16, autocast and FSDP2 rows route every token to every expert of a MoE case (routing near-ties
+    flip under half-precision rounding on either path); the float32 rows keep the model's routing."""
+    family, routed = stages.case_config(case, half=False)
+    _, every = stages.case_config(case, half=True)
+    config = tiny_config(family, **routed)
+    if getattr(config, "num_experts_per_tok", None) is None:
+        assert every == routed
+        return
+    experts = next(getattr(config, name) for name in stages.EXPERT_COUNT_FIELDS if getattr(config, name, None))
+    assert config.num_experts_per_tok < experts and every == {**routed, "num_experts_per_tok": experts}
+    tiny_model(family, **every)  # builds
+
+
+def test_an_unknown_expert_count_is_refused():
+    config = tiny_config("qwen3")
+    config.num_experts_per_tok = 2
+    with pytest.raises(ValueError, match="num_experts_per_tok without an expert count"):
+        stages.every_expert(config)
 
 
 def test_the_shared_indexer_case_runs_glm_5_2s_layout():
     """The glm_moe_dsa_shared_indexer case is GLM-5.2's DSA layout at tiny size: the first of the 3 layers runs its
-    indexer, the others reuse its top-k selection, which runs (index_topk below the tiny prompt); its rows compare
+    indexer, the others reuse its top-k selection, which runs (index_topk below the prompt); its rows compare
     the largest errors over the family's SELECTION_GROUPS groups, as glm_moe_dsa's do."""
-    family, overrides = gpu_check.case_config("glm_moe_dsa_shared_indexer")
-    assert family == "glm_moe_dsa" and overrides["index_topk"] < 64
+    family, overrides = stages.case_config("glm_moe_dsa_shared_indexer", half=False)
+    assert family == "glm_moe_dsa" and overrides["index_topk"] < stages.PROMPT_LEN
     model = tiny_model(family, **overrides)
     assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, True]
-    groups = gpu_check.row_groups("glm_moe_dsa_shared_indexer", 64, torch.device("cpu"))
-    assert len(groups) == gpu_check.SELECTION_GROUPS["glm_moe_dsa"] > 1
+    groups = stages.row_groups("glm_moe_dsa_shared_indexer", 64, torch.device("cpu"))
+    assert len(groups) == stages.SELECTION_GROUPS["glm_moe_dsa"] > 1
 
 
-def test_a_case_past_its_time_is_interrupted():
+def test_a_row_past_its_time_is_interrupted():
     start = time.monotonic()
 
     def spin():
         while time.monotonic() < start + 30:
             torch.ones(64, 64) @ torch.ones(64, 64)
 
-    assert gpu_check.attempt(time.monotonic() + 0.3, spin) == (None, {"skipped": "time limit"})
+    assert stages.attempt(time.monotonic() + 0.3, spin) == (None, {"skipped": "time limit"})
     assert time.monotonic() - start < 5
-    assert gpu_check.attempt(time.monotonic() + 5, lambda: 7) == (7, None)
+    assert stages.attempt(time.monotonic() + 5, lambda: 7) == (7, None)
 
 
-def test_the_time_limit_fires_once_while_a_case_unwinds():
+def test_the_time_limit_fires_once_while_a_row_unwinds():
     unwound = []
 
     def case():
@@ -193,10 +349,10 @@ def test_the_time_limit_fires_once_while_a_case_unwinds():
             while True:
                 time.sleep(0.01)
         finally:  # as a context manager's __exit__ restoring autocast or a module's forward
-            time.sleep(2 * gpu_check.REARM_SECONDS + 0.2)
+            time.sleep(2 * stages.REARM_SECONDS + 0.2)
             unwound.append(True)
 
-    assert gpu_check.attempt(time.monotonic() + 0.2, case) == (None, {"skipped": "time limit"})
+    assert stages.attempt(time.monotonic() + 0.2, case) == (None, {"skipped": "time limit"})
     assert unwound == [True]
 
 
@@ -214,7 +370,7 @@ def test_a_time_limit_swallowed_by_a_del_is_raised_again():
             pass
         return "ran to the end"
 
-    assert gpu_check.attempt(start + 0.2, case) == (None, {"skipped": "time limit"})
+    assert stages.attempt(start + 0.2, case) == (None, {"skipped": "time limit"})
     assert time.monotonic() - start < 5
 
 
@@ -224,50 +380,65 @@ def test_cublas_and_cudnn_allocation_failures_are_out_of_memory(message):
     def case():
         raise RuntimeError(message)
 
-    assert gpu_check.attempt(time.monotonic() + 5, case) == (None, {"skipped": "out of memory"})
+    assert stages.attempt(time.monotonic() + 5, case) == (None, {"skipped": "out of memory"})
 
 
 def test_the_step_predictor_assumes_at_least_4x_per_doubling():
-    assert gpu_check.next_step_seconds([]) == 0
-    assert gpu_check.next_step_seconds([2.0]) == 8.0
-    assert gpu_check.next_step_seconds([1.0, 2.0]) == 8.0  # measured 2x: attention's 4x assumed
-    assert gpu_check.next_step_seconds([1.0, 5.0]) == 25.0  # measured 5x: fitted
+    assert stages.next_step_seconds([]) == 0
+    assert stages.next_step_seconds([2.0]) == 8.0
+    assert stages.next_step_seconds([1.0, 2.0]) == 8.0  # measured 2x: attention's 4x assumed
+    assert stages.next_step_seconds([1.0, 5.0]) == 25.0  # measured 5x: fitted
 
 
-def test_the_standard_path_does_not_run_the_kernel_transformers_picked(monkeypatch):
-    """With fla importable, transformers binds fla's (TF32) kernel where its Gated DeltaNet looks the chunk rule up;
-    the standard path of gpu_check's rows runs the reference recurrence instead."""
-    calls = []
-    torch_rule = qwen3_5_modeling.torch_chunk_gated_delta_rule
+def counted(calls: list, rule):
+    """``rule`` counting its calls, wrapped as transformers wraps a kernel binding (``__wrapped__``)."""
 
-    def picked_kernel(*args, **kwargs):
+    @functools.wraps(rule)
+    def kernel(*args, **kwargs):
         calls.append(1)
-        return torch_rule(*args, **kwargs)
+        return rule(*args, **kwargs)
 
-    monkeypatch.setattr(qwen3_5_modeling, "torch_chunk_gated_delta_rule", picked_kernel)
-    prompt, responses = gpu_check.make_group(gpu_check.VOCAB, 24, (5, 3))
-    row = gpu_check.equivalence_case({}, "qwen3_5", "float32", torch.device("cpu"), [(prompt, responses)], 8)
+    return kernel
+
+
+@pytest.mark.parametrize("case, module, name", [
+    ("qwen3_5", qwen3_5_modeling, "torch_chunk_gated_delta_rule"),
+    ("kimi_linear", kimi_modeling, "chunk_kimi_delta_attention")])
+def test_the_standard_path_does_not_run_the_kernel_transformers_picked(monkeypatch, case, module, name):
+    """With fla importable, transformers binds fla's (TF32) kernels where its Gated DeltaNet and Kimi Delta Attention
+    look their chunked rule up; the standard path of gpu_check's rows runs the reference recurrence instead, and a
+    float32 replay runs the plain torch rule."""
+    calls = []
+    monkeypatch.setattr(module, name, counted(calls, getattr(module, name)))
+    picked = getattr(module, name)
+    prompt, responses = stages.make_group(stages.VOCAB, 24, (5, 3))
+    row = stages.equivalence_case({}, case, "float32", torch.device("cpu"), [(prompt, responses)], 8)
     assert calls == [] and row["passed"], row
-    assert qwen3_5_modeling.torch_chunk_gated_delta_rule is picked_kernel  # restored after the case
-    tiny_model("qwen3_5")(prompt[None])
+    assert getattr(module, name) is picked  # restored after the row
+    tiny_model(case)(prompt[None])
     assert calls  # outside gpu_check's rows the model runs what transformers picked
 
 
 def test_fla_is_warmed_once_per_shape(monkeypatch):
     seen = []
     rule = gdn.gated_delta_rule
+    kda_rules = []
 
     def recorded(q, k, v, g, beta, initial_state=None, **kwargs):
         seen.append((q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, initial_state is None))
         return rule(q, k, v, g, beta, initial_state, **kwargs)
 
     monkeypatch.setattr(gdn, "gated_delta_rule", recorded)
-    monkeypatch.setattr(gpu_check, "WARMED_FLA_SHAPES", set())
-    shapes = gpu_check.fla_shapes("qwen3_5", torch.bfloat16)
+    monkeypatch.setattr(kimi_modeling, "chunk_kimi_delta_attention",
+                        counted(kda_rules, kimi_modeling.chunk_kimi_delta_attention))
+    monkeypatch.setattr(stages, "WARMED_FLA", set())
+    warmups = stages.fla_warmups("qwen3_5", torch.bfloat16) | stages.fla_warmups("kimi_linear", torch.bfloat16)
     for _ in range(2):
-        gpu_check.warm_fla(torch.device("cpu"), shapes)
-    assert sorted(seen) == sorted((*shape, first) for shape in shapes for first in (False, True)), seen
-    assert gpu_check.fla_shapes("qwen3", torch.bfloat16) == set()
+        stages.warm_fla(torch.device("cpu"), warmups)
+    gated = {w[1:] for w in warmups if w[0] == "gated_delta"}
+    assert sorted(seen) == sorted((*shape, first) for shape in gated for first in (False, True)), seen
+    assert len(kda_rules) == 1 and {w[0] for w in warmups} == {"gated_delta", "kda"}
+    assert stages.fla_warmups("qwen3", torch.bfloat16) == set()
 
 
 def test_a_broken_fla_install_is_treated_as_absent(monkeypatch, caplog):
@@ -291,15 +462,15 @@ def test_a_broken_fla_install_is_treated_as_absent(monkeypatch, caplog):
     assert len(warnings) == 1 and "triton driver mismatch" in warnings[0], warnings
 
 
-def test_time_budget_skips_and_still_writes_the_report(tmp_path):
-    start = time.monotonic()
-    args = ["--tiny", "--out", str(tmp_path), "--equivalence-seconds", "0.5", "--fsdp2-seconds", "0",
-            "--scale-seconds", "0"]
-    with torch.device("meta"):
-        result = gpu_check.main(args)
-    assert time.monotonic() - start < 20
-    assert {"skipped": "time limit"}.items() <= result["equivalence"][-1].items()
-    assert all(r.get("skipped") == "time limit" for r in result["fsdp2"] + result["scale"])
-    assert {"fsdp2", "scale"} <= set(result["stages_that_compared_nothing"])
-    report = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
-    assert report["equivalence"][-1]["skipped"] == "time limit" and report["stage_seconds"]["scale"] < 5
+def test_the_sdpa_baseline_runs_on_a_named_backend():
+    """``PinnedSdpa`` takes the first backend of its list that runs the inputs, keeps it, and names it."""
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+
+    def run(xs, weight):
+        out = torch.nn.functional.scaled_dot_product_attention(*xs, attn_mask=mask)
+        return out.detach(), torch.autograd.grad((out * weight).sum(), xs)
+
+    pinned = stages.PinnedSdpa(run, torch.device("cpu"))
+    out, _ = pinned([q, k, v], torch.ones(1, 2, 5, 8))
+    assert pinned.backend in stages.SDPA_BACKENDS["cpu"] and out.shape == (1, 2, 5, 8)
