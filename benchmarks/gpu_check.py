@@ -175,9 +175,10 @@ def stage_markdown(result: dict, stage: str) -> list[str]:
         "bytes saved for backward"
     lines = {"equivalence": equivalence_markdown, "fsdp2": fsdp2_markdown, "ops": ops_markdown,
              "scale": lambda r: scale_markdown(r, memory_metric)}[stage](rows)
-    if result["never_compared"].get(stage):
-        lines += ["", f"**Never compared** ({len(result['never_compared'][stage])} of "
-                      f"{len(result['planned'][stage])} planned): {', '.join(result['never_compared'][stage])}"]
+    never, planned = result["never_compared"].get(stage), result["planned"].get(stage)
+    if never:
+        counts = f" ({len(never)} of {len(planned)} planned)" if planned else ""
+        lines += ["", f"**Never compared**{counts}: {', '.join(never)}"]
     if stage in result["not_run"]:
         lines += ["", f"**Not run**: {result['not_run'][stage]}"]
     if stage in result["stage_errors"]:
@@ -349,23 +350,26 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
     reserve = min(RESERVE_SECONDS, args.overrun_seconds + 5.0)
     end = started + max(args.budget_seconds - reserve, 0.1 * args.budget_seconds)
     old = json.loads(args.rerun_failed.read_text()) if args.rerun_failed else None
-    stages = [stage for stage in STAGES if stage in args.stages]
+    old_stages = set(old["planned"]) if old else set()
+    stages = [stage for stage in STAGES if stage in args.stages or stage in old_stages]
     families = tuple(case for case in CASES_NEWEST_FIRST if case in args.families)
     result = {"device": None, "machine": None, "versions": None, "budget_seconds": args.budget_seconds,
               "rerun_of": str(args.rerun_failed) if old else None, "stage_order": stages, "stage_seconds": {},
               "kernels": {}, "stage_errors": {}, "not_run": {}, "planned": {}, "never_compared": {}, "failed": {},
               **{stage: [] for stage in STAGES}}
     report = Report(result, args.out, "gpu_check_tiny" if args.tiny else "gpu_check", started)
-    # a rerun: the stages REPORT planned whose every row passed are carried over, not run
-    done = {stage for stage in stages if old and stage in old.get("planned", {})
-            and set(verdicts(stage, old["planned"][stage], old[stage]).values()) == {"passed"}}
-    for stage in done:
-        merge(result, stage, None, None, old)
-        result["stage_errors"].pop(stage, None)
-        result["not_run"][stage] = f"every row passed in {args.rerun_failed}"
-        result.update({k: old[k] for k in ("device", "machine", "versions") if result[k] is None})
+    # a rerun carries over, as they were, REPORT's stages not selected and those whose every row passed
+    carried = {stage: "not selected (--stages)" for stage in stages if stage not in args.stages}
+    carried |= {stage: f"every row passed in {args.rerun_failed}" for stage in stages if stage in old_stages
+                and set(verdicts(stage, old["planned"][stage], old[stage]).values()) == {"passed"}}
+    for stage, why in carried.items():
+        result["planned"][stage], result[stage] = old["planned"][stage], old[stage]
+        result["not_run"][stage] = why
         result["kernels"][stage] = old["kernels"].get(stage, {"attention": {}, "gated_delta_rule": []})
-    to_run = [stage for stage in stages if stage not in done]
+        if stage in old["stage_errors"]:
+            result["stage_errors"][stage] = old["stage_errors"][stage]
+        result.update({k: old[k] for k in ("device", "machine", "versions") if result[k] is None})
+    to_run = [stage for stage in stages if stage not in carried]
     with tempfile.TemporaryDirectory() as folder:
         for index, stage in enumerate(to_run):
             seconds = getattr(args, f"{stage}_seconds")

@@ -4,15 +4,20 @@
 # the repo root with PYTHONPATH=.). Catches torch 2.11 / transformers 5.17 incompatibilities before device time.
 #
 #   bash scripts/rehearse_device.sh                # builds ./.venv-device once, then runs the checks
-#   bash scripts/rehearse_device.sh --out DIR      # gpu_check's report into DIR (default: a fresh temp dir)
+#   bash scripts/rehearse_device.sh --out DIR      # gpu_check's reports into DIR (default: a fresh temp dir)
 #   VENV=/path/to/venv PYTHON=/path/to/python3.12 bash scripts/rehearse_device.sh
 #
-# Checks, in that venv from the repo root with PYTHONPATH=.; exits non-zero when any fails (all run regardless):
+# Checks, in that venv from the repo root; exits non-zero when any fails (all run regardless):
 # 1. imports of the torch-only package parts (IMPORTS below);
-# 2. `benchmarks/gpu_check.py --tiny`: its exit status, and its JSON report read here: a row with an "error",
-#    a row with "passed": false, a stage without one compared row, a stage error or a stage not run fails
-#    (time-limit skips alone do not); one summary line per row is printed;
-# 3. `pytest -q tests/ops tests/test_core_equivalence.py`. pytest is a rehearsal tool only: the image lacks it.
+# 2. the device run as the lent machine runs it, at tiny sizes on the CPU: `benchmarks/device_run.sh` with
+#    GPU_CHECK_ARGS=--tiny and the lent machine's budget (360 s) scaled to this CPU's speed: times
+#    max(1, this CPU's seconds of gpu_check's calibration row / the lent GPU's, `gpu_check.py --calibrate`).
+#    It must compare every row of every stage (every case, in the run's order: ops, scale, then equivalence and
+#    fsdp2 newest case first, bfloat16 -> autocast -> float32) and pass every verdict; one summary line per row;
+# 3. the rerun: the report of 2 with the rows of its two newest cases taken out, rerun with
+#    `device_run.sh --rerun-failed REPORT` and GPU_CHECK_ARGS="--tiny --stages equivalence fsdp2 --families <them>":
+#    only those rows run, and the merged report is complete;
+# 4. `pytest -q tests/ops tests/test_core_equivalence.py`. pytest is a rehearsal tool only: the image lacks it.
 #
 # PyPI's torch 2.11.0 is its CUDA 13.0 build: libtorch_cuda.so links cudart, cuBLAS, cuDNN, cuFFT, cuFile, cuRAND,
 # cuSPARSE(+nvJitLink), cuSPARSELt, NCCL and NVSHMEM, so `import torch` fails without them even on CPU (checked:
@@ -152,7 +157,7 @@ PYEOF
 
 failed=()
 
-log "1/3 imports of the torch-only package parts"
+log "1/4 imports of the torch-only package parts"
 "$PY" - "${IMPORTS[@]}" <<'PYEOF' || failed+=(imports)
 import importlib
 import pkgutil
@@ -177,58 +182,113 @@ print(f"imports: {len(names) - len(broken)}/{len(names)} ok" + (f"; FAILED: {bro
 sys.exit(1 if broken else 0)
 PYEOF
 
-log "2/3 benchmarks/gpu_check.py --tiny --out $OUT"
-gpu_check_status=0
-"$PY" benchmarks/gpu_check.py --tiny --out "$OUT" > "$OUT/gpu_check_tiny.stdout" || gpu_check_status=$?
-"$PY" - "$OUT/gpu_check_tiny.json" "$gpu_check_status" <<'PYEOF' || failed+=(gpu_check)
+DEVICE_BUDGET=360  # benchmarks/device_run.sh's first run on the lent machine
+log "2/4 the device run at tiny sizes, the lent machine's budget scaled to this CPU"
+calibration="$("$PY" benchmarks/gpu_check.py --tiny --calibrate | tail -n 1)" || calibration=""
+if [[ -z "$calibration" ]]; then
+    log "gpu_check --calibrate failed"
+    failed+=(calibration)
+    budget=$((4 * DEVICE_BUDGET))
+else
+    budget="$("$PY" -c 'import json, math, sys; c = json.loads(sys.argv[1]); print(math.ceil(c["budget_scale"] * int(sys.argv[2])))' "$calibration" "$DEVICE_BUDGET")"
+    log "calibration: $calibration -> budget $budget s"
+fi
+mkdir -p "$OUT/run" "$OUT/rerun"
+run_status=0
+export PATH="$VENV/bin:$PATH"  # device_run.sh runs `python3`, the image's
+OUT="$OUT/run" GPU_CHECK_BUDGET="$budget" GPU_CHECK_ARGS="--tiny" bash benchmarks/device_run.sh \
+    > "$OUT/run.stdout" 2>&1 || run_status=$?
+# every planned row compared and passed, in the run's order; one line per row
+"$PY" - "$OUT/run/gpu_check_tiny.json" "$run_status" <<'PYEOF' || failed+=(device_run)
 import json
 import sys
 from pathlib import Path
 
-STAGES = ("equivalence", "fsdp2", "ops", "scale")
-KEYS = ("family", "dtype", "policy", "shape", "op", "model", "G", "path", "P")
+sys.path.insert(0, "benchmarks")
+from gpu_check import CASES_NEWEST_FIRST, EQUIVALENCE_DTYPES, STAGES  # noqa: E402
+
 report_path, status = Path(sys.argv[1]), int(sys.argv[2])
-problems = [f"gpu_check exited with status {status}"] if status else []
+problems = [f"device_run.sh exited with status {status}"] if status else []
 report = json.loads(report_path.read_text()) if report_path.exists() else {}
 if not report:
     problems.append(f"no report at {report_path}")
-for stage in STAGES:
-    rows = report.get(stage)
-    if rows is None:
-        if report:
-            problems.append(f"{stage}: missing from the report")
-        continue
-    compared = 0
-    for row in rows:
-        what = " ".join(f"{k}={row[k]}" for k in KEYS if k in row)
-        skipped = row.get("skipped")
-        if skipped is not None:
-            verdict = f"skipped: {skipped}"
-            if "error" in str(skipped):
-                problems.append(f"{stage} {what}: {skipped}")
-        elif row.get("passed") is False:
-            verdict = "FAILED"
-            problems.append(f"{stage} {what}: passed false")
-        else:
-            compared += 1
-            verdict = "passed" if "passed" in row else f"fits={row.get('fits')}"
-        print(f"{stage:12s} {what:60s} {verdict}")
-    if not compared:
-        problems.append(f"{stage}: no row compared anything")
-for key in ("stage_errors", "not_run"):  # gpu_check's own records (when it writes them): stages stopped, not run
-    problems += [f"{stage}: {key.replace('_', ' ')}: {(text.strip().splitlines() or ['(no text)'])[-1]}"
-                 for stage, text in report.get(key, {}).items()]
-problems += [f"{stage}: gpu_check says it compared nothing" for stage in report.get("stages_that_compared_nothing", [])]
+else:
+    if report["stage_order"] != list(STAGES):
+        problems.append(f"stages ran in the order {report['stage_order']}, not {list(STAGES)}")
+    for stage in STAGES:
+        for row in report.get(stage, []):
+            verdict = row.get("skipped") or ("passed" if row.get("passed", row.get("fits") is not None) else "FAILED")
+            print(f"{stage:12s} {row['key']:60s} {verdict}")
+        for key in report["never_compared"].get(stage, []):
+            problems.append(f"{stage} {key}: never compared")
+        for key in report["failed"].get(stage, []):
+            problems.append(f"{stage} {key}: failed")
+        if not report["planned"].get(stage):
+            problems.append(f"{stage}: no row planned")
+    for stage, text in report["stage_errors"].items():
+        problems.append(f"{stage}: {(text.strip().splitlines() or ['(no text)'])[-1]}")
+    expected = [f"{case} {dtype}" for case in CASES_NEWEST_FIRST for dtype in EQUIVALENCE_DTYPES]
+    if report["planned"].get("equivalence") != expected:
+        problems.append("the equivalence rows are not every case newest first, bfloat16 -> autocast -> float32")
+    if report["planned"].get("fsdp2") != list(CASES_NEWEST_FIRST):
+        problems.append("the fsdp2 rows are not every case newest first")
+    print(f"seconds per stage: { {k: round(v) for k, v in report['stage_seconds'].items()} } of budget "
+          f"{report['budget_seconds']:.0f}")
 for problem in problems:
-    print(f"gpu_check problem: {problem}")
+    print(f"device run problem: {problem}")
 sys.exit(1 if problems else 0)
 PYEOF
 
-log "3/3 pytest -q tests/ops tests/test_core_equivalence.py"
+log "3/4 the rerun of the rows a report lacks"
+REMOVED=(gpt_oss granitemoehybrid)  # the two newest cases
+"$PY" - "$OUT/run/gpu_check_tiny.json" "$OUT/partial.json" "${REMOVED[@]}" <<'PYEOF' || failed+=(rerun)
+import json
+import sys
+from pathlib import Path
+
+report = json.loads(Path(sys.argv[1]).read_text())
+removed = set(sys.argv[3:])
+report["equivalence"] = [r for r in report["equivalence"] if r["family"] not in removed]  # lacked
+report["fsdp2"] = [{**r, "passed": False} if r["family"] in removed else r for r in report["fsdp2"]]  # failed
+Path(sys.argv[2]).write_text(json.dumps(report))
+PYEOF
+rerun_status=0
+OUT="$OUT/rerun" GPU_CHECK_BUDGET="$budget" \
+    GPU_CHECK_ARGS="--tiny --stages equivalence fsdp2 --families ${REMOVED[*]}" \
+    bash benchmarks/device_run.sh --rerun-failed "$OUT/partial.json" > "$OUT/rerun.stdout" 2>&1 || rerun_status=$?
+"$PY" - "$OUT/run/gpu_check_tiny.json" "$OUT/rerun/gpu_check_tiny.json" "$rerun_status" "${REMOVED[@]}" \
+    <<'PYEOF' || failed+=(rerun)
+import json
+import sys
+from pathlib import Path
+
+first, rerun = (json.loads(Path(p).read_text()) for p in sys.argv[1:3])
+status, removed = int(sys.argv[3]), set(sys.argv[4:])
+problems = [f"the rerun exited with status {status}"] if status else []
+for stage in ("equivalence", "fsdp2"):
+    if [r["key"] for r in rerun[stage]] != first["planned"][stage]:
+        problems.append(f"{stage}: the merged rows are not the first run's planned rows in order")
+    ran = {r["key"] for r in rerun[stage] if r["family"] in removed}
+    kept = [r for r in rerun[stage] if r["family"] not in removed]
+    if kept != [r for r in first[stage] if r["family"] not in removed]:
+        problems.append(f"{stage}: the rows that had passed were not carried over as they were")
+    if any(rerun["never_compared"][stage]) or any(rerun["failed"][stage]):
+        problems.append(f"{stage}: not complete after the rerun: {rerun['never_compared'][stage]}, "
+                        f"{rerun['failed'][stage]}")
+    print(f"rerun {stage}: {len(ran)} rows run ({', '.join(sorted(ran))}), {len(kept)} carried over")
+for stage in ("ops", "scale"):  # not selected: carried over as they were
+    if rerun[stage] != first[stage] or stage in rerun["stage_seconds"]:
+        problems.append(f"{stage}: not carried over as it was")
+for problem in problems:
+    print(f"rerun problem: {problem}")
+sys.exit(1 if problems else 0)
+PYEOF
+
+log "4/4 pytest -q tests/ops tests/test_core_equivalence.py"
 "$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_core_equivalence.py || failed+=(pytest)
 
 if ((${#failed[@]})); then
-    log "FAILED: ${failed[*]} (gpu_check's report and stdout: $OUT)"
+    log "FAILED: ${failed[*]} (gpu_check's reports and output: $OUT)"
     exit 1
 fi
-log "all checks passed (gpu_check's report: $OUT)"
+log "all checks passed (gpu_check's reports and output: $OUT)"
