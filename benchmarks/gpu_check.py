@@ -151,17 +151,22 @@ def longest_fitting(rows: list[dict]) -> list[dict]:
 
 
 def scale_markdown(rows: list[dict], memory_metric: str) -> list[str]:
+    def gib(n: int | None) -> str:
+        return "" if n is None else f"{n / 2**30:.3f}"
+
     lines = [f"## Peak memory ({memory_metric}) and seconds", "",
-             "| model | G | path | P | peak GiB | seconds | fits |", "|---|---|---|---|---|---|---|"]
+             "| model | G | path | P | peak GiB (estimate) | pinned host GiB (estimate) | seconds | fits |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
             warm = " (warm-up)" if r.get("warm_up") else ""
             lines.append(f"| {r['model']} | {r.get('G', '')} | {r.get('path', '')} | {r.get('P', '')}{warm} | "
-                         f"skipped: {r['skipped']} | | |")
+                         f"skipped: {r['skipped']} | | | |")
             continue
-        peak = f"{r['peak_bytes'] / 2**30:.3f}" if r["fits"] else "OOM"
+        peak = f"{gib(r['peak_bytes'])} ({gib(r['estimated_total_bytes']) or '-'})" if r["fits"] else "OOM"
+        host = f"{gib(r['host_peak_bytes'])} ({gib(r['estimated_host_bytes'])})" if "host_peak_bytes" in r else ""
         secs = f"{r['seconds']:.2f}" if r["fits"] else ""
-        lines.append(f"| {r['model']} | {r['G']} | {r['path']} | {r['P']} | {peak} | {secs} | {r['fits']} |")
+        lines.append(f"| {r['model']} | {r['G']} | {r['path']} | {r['P']} | {peak} | {host} | {secs} | {r['fits']} |")
     lines += ["", "## Longest P that fits", "", "| model | G | path | longest P |", "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['G']} | {r['path']} | {r['P']} |" for r in longest_fitting(rows)]
     return lines

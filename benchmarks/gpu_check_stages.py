@@ -13,8 +13,10 @@ Stages:
   ``window_attention``) and context-parallel pass-Q's arithmetic on two key shards;
 - scale: random-init layer stacks at real widths (Qwen3.5-27B: hidden 5120, 3 Gated DeltaNet + 1 full-attention
   layer; GLM-5: MLA, hidden 6144, 3 layers), bfloat16; for standard / exact (chunked) / detached and G in {2, 8},
-  P doubles until the path runs out of memory or time (each (model, G, path) series an equal share of the stage);
-  peak memory is ``torch.cuda.max_memory_allocated`` (on CPU: bytes saved for backward, SavedTensorMeter);
+  and exact with the state-gradient sums in pinned host memory (``exact_host``) at G = 8, P doubles until the path
+  runs out of memory or time (each (model, G, path) series an equal share of the stage); peak memory is
+  ``torch.cuda.max_memory_allocated`` (on CPU: bytes saved for backward, SavedTensorMeter), an ``exact_host`` row's
+  host bytes ``state.host.host_memory``'s peak, each beside the estimate's;
 - equivalence: tiny random models of every case (``CASES_NEWEST_FIRST``: every family, every ``tiny.VARIANTS``
   model type and each ``CONFIG_VARIANTS`` entry) against the float32 standard full-sequence path: replay log-probs
   (``group_log_probs``) and chunked exact gradients (``group_backward``) of the model cast to bfloat16, in float32
@@ -91,6 +93,7 @@ from verl_longstraw.ops.fused_attention import fused_kernel_dtype, fused_partial
 from verl_longstraw.ops.kda import kda_rule
 from verl_longstraw.ops.window_attention import window_attention, window_attention_reference
 from verl_longstraw.parallel.fsdp2 import held_unsharded, sync_gradients  # torch only: runs without veRL
+from verl_longstraw.state.host import host_memory
 from verl_longstraw.testing import (
     full_log_probs,
     grads_of,
@@ -751,13 +754,18 @@ def build(config, device: torch.device, dtype: torch.dtype):
     return model.train()
 
 
+SCALE_PATHS = {2: ("standard", "exact", "detached"), 8: ("standard", "exact", "detached", "exact_host")}
+
+
 def run_path(model, path: str, prompt, responses, chunk_size: int) -> None:
-    """One group's gradients on ``path`` ("standard", "exact" or "detached") into ``model``'s .grad."""
+    """One group's gradients on ``path`` ("standard", "exact", "detached", or "exact_host": exact with
+    ``state_grad_on_host``) into ``model``'s .grad."""
     if path == "standard":
         standard_backward(model, prompt, responses)
     else:
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss, prompt_grad=path, chunk_size=chunk_size)
+        group_backward(model, prompt, responses, weighted_loss, prompt_grad=path.removesuffix("_host"),
+                       chunk_size=chunk_size, state_grad_on_host=path.endswith("_host"))
 
 
 def measure(model, path: str, prompt, responses, chunk_size: int, device: torch.device) -> tuple[int, float]:
@@ -780,11 +788,18 @@ def measure(model, path: str, prompt, responses, chunk_size: int, device: torch.
 def scale_step(model, config, path: str, prompt, responses, chunk_size: int, device: torch.device,
                dtype: torch.dtype) -> dict:
     """One scale row's results: ``measure``'s peak bytes and seconds, and for the replay paths ``estimate_memory``'s
-    total bytes of the same group."""
+    total bytes of the same group; ``exact_host``: the host bytes asked at the peak and the estimate's."""
+    host_memory.reset_peak()
+    host_before = host_memory.live
     peak, seconds = measure(model, path, prompt, responses, chunk_size, device)
-    estimate = None if path == "standard" else estimate_memory(
-        config, len(prompt), len(responses), len(responses[0]), chunk_size, path, dtype).total_bytes
-    return {"fits": True, "peak_bytes": peak, "seconds": seconds, "estimated_total_bytes": estimate}
+    row = {"fits": True, "peak_bytes": peak, "seconds": seconds, "estimated_total_bytes": None}
+    if path != "standard":
+        estimate = estimate_memory(config, len(prompt), len(responses), len(responses[0]), chunk_size,
+                                   path.removesuffix("_host"), dtype, state_grad_on_host=path.endswith("_host"))
+        row["estimated_total_bytes"] = estimate.total_bytes
+        if path.endswith("_host"):
+            row |= {"host_peak_bytes": host_memory.peak - host_before, "estimated_host_bytes": estimate.host_bytes}
+    return row
 
 
 def next_step_seconds(seconds: list[float]) -> float:
@@ -811,7 +826,7 @@ def scale(device: torch.device, options: SimpleNamespace, deadline: float, part:
     start_len, max_len = (128, 1024) if options.tiny else (4096, 1 << 21)
     response_len, chunk_size = (16, 64) if options.tiny else (256, 8192)
     dtype = torch.float32 if options.tiny else torch.bfloat16  # CPU bf16 Gated DeltaNet is too slow for a smoke test
-    series = {name: [(g, path) for g in (2, 8) for path in ("standard", "exact", "detached")
+    series = {name: [(g, path) for g, paths in SCALE_PATHS.items() for path in paths
                      if row_key("scale", {"model": name, "G": g, "path": path}) not in options.skip]
               for name in configs}
     series = {name: runs for name, runs in series.items() if runs}

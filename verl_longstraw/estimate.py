@@ -11,9 +11,11 @@ process):
   mode a star's every chunk boundary: ``boundary_bytes``);
 - ``state_grad_bytes``: the float32 sums of the differentiable state tensors' gradients held in
   exact mode (the fixed-size ones of every segment whose sums are held at once), on the device or
-  (``state_grad_on_host``) in host memory; ``state_leaf_grad_bytes``:
-  the gradients in the model's dtype that one layer's backward hands its state leaves before they are added
-  into the sums (exact; ``PathState.leaves`` adds each as it is produced, so the largest layer's);
+  (``state_grad_on_host``) in host memory, pinned at their exact size with the buffer each gradient is staged
+  through (``staging_bytes``: the largest state tensor, ``state.store.staging_nbytes``; its source on the device
+  waits for the copy, ``in_flight_bytes``); ``state_leaf_grad_bytes``: the gradients in the model's dtype that one
+  layer's backward hands its state leaves before they are added into the sums (exact; ``PathState.leaves`` adds
+  each as it is produced, so the largest layer's);
 - ``saved_peak_bytes``: the peak of tensors saved for backward (what ``SavedTensorMeter``
   counts), the larger of the largest replay step (a batch of k leaves after their parent's rows, k from the
   replay budget ``replay_tokens``; one leaf per rank under CP) and the largest recompute step (exact mode, and
@@ -63,6 +65,7 @@ from .ops.window_attention import window_attention_fused_dtype, window_attention
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
+from .state.store import staging_nbytes
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
@@ -125,6 +128,8 @@ class MemoryEstimate:
     state_grad_on_host: bool
     replay_batch: int = 1  # responses per replay forward (k)
     detached_total_bytes: int = 0  # ``total_bytes`` of the same walk in detached mode (its own in detached mode)
+    staging_bytes: int = 0  # exact mode: the largest state gradient, which ``state_grad_on_host`` stages through a
+    # pinned buffer of its size while its source on the device waits for the copy
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -133,6 +138,12 @@ class MemoryEstimate:
     @property
     def device_state_grad_bytes(self) -> int:
         return 0 if self.state_grad_on_host else self.state_grad_bytes
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """With ``state_grad_on_host``: the state gradient on the device whose copy to the host is in flight while the
+        next layer's backward runs (``state.host.StagedCopies``); else 0."""
+        return self.staging_bytes if self.state_grad_on_host else 0
 
     @property
     def transient_bytes(self) -> int:
@@ -146,11 +157,12 @@ class MemoryEstimate:
         gradients a backward hands the state, and the largest transient (``transient_bytes``; each phase's
         transients counted at their largest)."""
         return (self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
-                + self.transient_bytes)
+                + self.in_flight_bytes + self.transient_bytes)
 
     @property
     def host_bytes(self) -> int:
-        return self.state_grad_bytes - self.device_state_grad_bytes
+        """Pinned host bytes (``state_grad_on_host``): the state-gradient sums and their staging buffer."""
+        return self.state_grad_bytes - self.device_state_grad_bytes + self.in_flight_bytes
 
 
 class _Shapes:
@@ -514,10 +526,11 @@ def estimate_plan(
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
     # the held segments' state besides one segment's (a Rows buffer is one whatever the segments)
     boundaries = state - sum(s.path_nbytes(rows, 1, dtype) for s in kinds) if states_held else 0
-    state_grad = leaf_grad = 0
+    state_grad = leaf_grad = staging = 0
     if mode == "exact" and grads_held:
         grad_dtype = torch.promote_types(dtype, torch.float32)
         state_grad = sum(s.path_nbytes(rows, grads_held, grad_dtype) for s in kinds if s.differentiable)
+        staging = staging_nbytes(specs, rows, dtype)
         leaf_grad = max(sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs)
 
     hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves
@@ -576,6 +589,7 @@ def estimate_plan(
         cp_size=plan.world,
         state_grad_on_host=state_grad_on_host,
         replay_batch=batch_most,
+        staging_bytes=staging,
     )
     detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
                                                                  state_grad_on_host, checkpointed, device_type)
@@ -598,8 +612,8 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
 
     knobs = []
     if e.device_state_grad_bytes:
-        knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes)}: the float32 "
-                     "state-gradient sums in host memory)")
+        knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes + e.staging_bytes)}: "
+                     "the float32 state-gradient sums in host memory)")
     if e.state_grad_bytes:
         knobs.append(f"prompt_grad='detached' ({saving(e.detached_total_bytes)}; biased: drops the gradient through "
                      "the prompt)")
@@ -820,9 +834,12 @@ def gpu_table(
          grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
          f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),
-        ("float32 state-gradient sums" + (" (state_grad_on_host)" if run.state_grad_on_host else ""),
+        ("float32 state-gradient sums" + (" (state_grad_on_host: pinned, with a staging buffer of the largest state "
+                                          "tensor)" if run.state_grad_on_host else ""),
          e.device_state_grad_bytes, e.host_bytes),
-        ("state gradients one layer's backward hands its state (model dtype)", e.state_leaf_grad_bytes, 0),
+        ("state gradients one layer's backward hands its state (model dtype)" + (
+            ", and the one whose copy to the host is in flight" if run.state_grad_on_host else ""),
+         e.state_leaf_grad_bytes + e.in_flight_bytes, 0),
         ("largest transient: one attention layer's fused backward (key blocks, GQA expansion, float32 dq), "
          "pass-Q's float32 scores of one key block, or a scoring row chunk", e.transient_bytes, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "

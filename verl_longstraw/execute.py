@@ -411,6 +411,7 @@ class _Walk:
         the store's sums during it; a recompute's before its own sums are released)."""
         if not self.exact:
             return
+        self.store.flush()  # the backward's last gradient still on its way to the host is one of its sums
         held = self.store.grad_nbytes()
         if self.store.on_host:
             self.stats.state_grad_host_bytes = max(self.stats.state_grad_host_bytes, held)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .host import host_zeros
+
 Key = int  # a segment of the plan (``plan.Segment.index``)
 
 
@@ -37,12 +39,10 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def grad_zeros(shape: tuple[int, ...], like: torch.Tensor, on_host: bool) -> torch.Tensor:
-    """Zeros of a gradient sum shaped ``shape``: on ``like``'s device, or in host memory (pinned where an
-    accelerator can copy from it asynchronously)."""
+    """Zeros of a gradient sum shaped ``shape``: on ``like``'s device, or in host memory of exactly their bytes
+    (``host.host_zeros``: pinned where CUDA is available)."""
     dtype = grad_dtype(like.dtype)
-    if not on_host:
-        return like.new_zeros(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return host_zeros(shape, dtype) if on_host else like.new_zeros(shape, dtype=dtype)
 
 
 @dataclass(frozen=True)

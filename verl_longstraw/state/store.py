@@ -5,7 +5,8 @@ segment continues (its parent's path), and releases a segment once it and its su
 then overwritten by the next sibling. So what is held at any time is one path's state: for ``Rows`` kinds one
 buffer of the plan's longest path (``Plan.capacity`` rows on this rank), for ``Fixed`` kinds the value at the end
 of each segment on the path. The exact backward sums d(loss)/d(state) the same way, in float32 (float64 for
-float64 state), on the device or in host memory.
+float64 state), on the device or in host memory (``state.host``: pinned at its exact size, each gradient staged
+through one pinned buffer of ``staging_nbytes`` and added on the host while the backward goes on).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from typing import Any
 import torch
 
 from ..memory import storage_nbytes
+from .host import StagedCopies
 from .kinds import Key, StateKind
 
 LayerState = tuple[torch.Tensor, ...]
+
+
+def staging_nbytes(kinds: list[tuple[StateKind, ...]], capacity: int, model_dtype: torch.dtype) -> int:
+    """Bytes of the pinned buffer host-side sums stage each state gradient through: the largest differentiable state
+    tensor of ``capacity`` rows in a model of ``model_dtype`` (what the estimate counts, and ``PathState`` makes)."""
+    return max((s.nbytes(capacity, model_dtype) for layer in kinds for s in layer if s.differentiable), default=0)
 
 
 class PathState:
@@ -31,6 +39,7 @@ class PathState:
         self.on_host = on_host
         self.storage: list[list[Any]] | None = None  # opened by the first write, in its dtype
         self.sums: list[list[Any]] = [[None] * len(layer) for layer in kinds]
+        self.staged: StagedCopies | None = None  # on_host: made at the first write, sized for the model's dtype
 
     def write(self, key: Key, row_start: int, state: list[LayerState]) -> None:
         """Store segment ``key``'s state (rows for ``Rows`` kinds from ``row_start``, end values otherwise)."""
@@ -39,6 +48,10 @@ class PathState:
                 [kind.open(value, self.capacity) for kind, value in zip(layer, values, strict=True)]
                 for layer, values in zip(self.kinds, state, strict=True)
             ]
+            if self.on_host:  # a value's dtype is its kind's in a model of that dtype (a float32 state's too)
+                self.staged = StagedCopies(max(
+                    (kind.nbytes(self.capacity, value.dtype) for layer, values in zip(self.kinds, state, strict=True)
+                     for kind, value in zip(layer, values, strict=True) if kind.differentiable), default=0))
         for layer, storages, values in zip(self.kinds, self.storage, state, strict=True):
             for kind, storage, value in zip(layer, storages, values, strict=True):
                 kind.write(storage, key, row_start, value)
@@ -74,15 +87,27 @@ class PathState:
         return out
 
     def _add_grad(self, layer: int, j: int, parent: Key, row_end: int, leaf: torch.Tensor) -> None:
-        """Add ``leaf.grad`` (tensor ``j`` of ``layer`` read by ``leaves(parent, row_end, True)``) into the sums;
-        clears it."""
-        kind = self.kinds[layer][j]
-        self.sums[layer][j] = kind.add_grad(self.sums[layer][j], parent, row_end, leaf.grad, self.capacity,
-                                            self.on_host)
+        """Add ``leaf.grad`` (tensor ``j`` of ``layer`` read by ``leaves(parent, row_end, True)``) into the sums, on
+        the host once its staged copy has landed (``StagedCopies``); clears it."""
+        add = functools.partial(self._add_to_sums, layer, j, parent, row_end)
+        if self.on_host:
+            self.staged.add(leaf.grad, add)
+        else:
+            add(leaf.grad)
         leaf.grad = None
+
+    def _add_to_sums(self, layer: int, j: int, parent: Key, row_end: int, grad: torch.Tensor) -> None:
+        self.sums[layer][j] = self.kinds[layer][j].add_grad(self.sums[layer][j], parent, row_end, grad,
+                                                            self.capacity, self.on_host)
+
+    def flush(self) -> None:
+        """Add the gradient still in flight to the host, if any, into its sum."""
+        if self.staged is not None:
+            self.staged.flush()
 
     def grads_for(self, key: Key, row_start: int, row_end: int) -> list[list[torch.Tensor | None]]:
         """The summed gradient of everything segment ``key`` wrote (rows [row_start, row_end)), per tensor."""
+        self.flush()
         return [
             [kind.grad_for(sums, key, row_start, row_end) for kind, sums in zip(layer, layer_sums, strict=True)]
             for layer, layer_sums in zip(self.kinds, self.sums, strict=True)
@@ -90,6 +115,7 @@ class PathState:
 
     def release(self, key: Key, row_start: int, row_end: int) -> None:
         """Forget segment ``key``'s state and gradient sums (its subtree and its own backward are done)."""
+        self.flush()
         for layer, storages, layer_sums in zip(self.kinds, self.storage or [[None] * len(k) for k in self.kinds],
                                                self.sums, strict=True):
             for kind, storage, sums in zip(layer, storages, layer_sums, strict=True):
@@ -109,9 +135,10 @@ class PathState:
         return [t for layer in range(len(self.kinds)) for t in self.layer_tensors(layer)]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """Every gradient sum the state holds."""
+        """Every gradient sum the state holds, and the host staging buffer."""
         return [t for layer, layer_sums in zip(self.kinds, self.sums, strict=True)
-                for kind, sums in zip(layer, layer_sums, strict=True) for t in kind.tensors(sums)]
+                for kind, sums in zip(layer, layer_sums, strict=True) for t in kind.tensors(sums)] + (
+            self.staged.tensors() if self.staged is not None else [])
 
     def nbytes(self) -> int:
         """Bytes of the storages the state keeps alive (each counted once and whole); the token ids not counted."""
@@ -122,5 +149,5 @@ class PathState:
         return storage_nbytes(self.layer_tensors(layer))
 
     def grad_nbytes(self) -> int:
-        """Bytes of the gradient sums (device or host)."""
+        """Bytes of the gradient sums (device or host; on the host with the staging buffer)."""
         return storage_nbytes(self.grad_tensors())
