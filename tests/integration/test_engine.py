@@ -191,8 +191,8 @@ def _counted(fn, calls: list):
 
 
 def test_state_gradient_on_host_same_step_and_reported(engines):
-    """longstraw.state_grad_on_host: the same gradients, the state-gradient bytes reported on the host
-    instead of the device; the estimate behind the pre-flight check is reported too."""
+    """longstraw.state_grad_on_host: the same gradients, the state-gradient bytes reported on the host (with their
+    staging buffer) instead of the device; the estimate behind the pre-flight check is reported too."""
     import dataclasses
 
     _, longstraw = engines("qwen3_next")
@@ -215,7 +215,10 @@ def test_state_gradient_on_host_same_step_and_reported(engines):
         return max(metrics[f"longstraw/state_grad_{where}_bytes"].values)
 
     assert held(device_metrics, "device") > 0 and held(device_metrics, "host") == 0
-    assert held(host_metrics, "host") == held(device_metrics, "device") and held(host_metrics, "device") == 0
+    assert held(host_metrics, "device") == 0
+    # on the host: the sums and the staging buffer of one state tensor (tests/test_offload.py pins it to the byte)
+    staging = held(host_metrics, "host") - held(device_metrics, "device")
+    assert 0 < staging <= held(device_metrics, "device")
     # the pre-flight figure holds the whole model unsharded at R = 1: fp32 parameters and gradients, 8 B each
     whole_model = 8 * sum(p.numel() for p in longstraw.module.parameters())
     assert max(device_metrics["longstraw/estimated_peak_gb"].values) * 2**30 > whole_model
