@@ -338,10 +338,13 @@ class _Walk:
         with torch.enable_grad() if self.backward else torch.no_grad():
             out = run_segment(self.adapter, inputs, start, past, self._scoring(targets),
                               None if local else self._sharding(step.split))
-            lps = [row[:n] for row, n in zip(out.log_probs.view(len(lengths), -1), lengths, strict=True)]
+            # a leaf's values start where it scores: under CP a leaf may begin with fewer than R unscored positions
+            firsts = [self.plan.segments[i].score_from - self.plan.segments[i].start for i in leaves] or [0]
+            lps = [row[f:n] for row, f, n in zip(out.log_probs.view(len(lengths), -1), firsts, lengths, strict=True)]
             ents = [None] * len(lps)
             if self.with_entropy:
-                ents = [row[:n] for row, n in zip(out.entropies.view(len(lengths), -1), lengths, strict=True)]
+                ents = [row[f:n] for row, f, n in zip(out.entropies.view(len(lengths), -1), firsts, lengths,
+                                                      strict=True)]
             live = {i: (lp, ent) for i, lp, ent in zip(leaves, lps, ents, strict=False)}
             rows = [row for i in leaves for row in self.rows_ending.get(i, [])]
             losses, stand_ins = [], []
@@ -364,10 +367,11 @@ class _Walk:
             for i, lp, ent in zip(leaves, lps, ents, strict=True):
                 self._keep_values(i, lp, ent)
             return
+        sizes = [1 if leaf is None else self.plan.segments[leaf].scored for leaf in step.round]  # a dummy scores 1
         for source, keep in ((lps, self.values), (ents, self.entropy_values)):
             if source[0] is None:
                 continue
-            parts = comm.all_gather(source[0].detach().contiguous(), self.group, step.split.query_sizes)
+            parts = comm.all_gather(source[0].detach().contiguous(), self.group, sizes)
             for leaf, part in zip(step.round, parts, strict=True):
                 if leaf is not None:
                     keep[leaf] = part

@@ -1,8 +1,8 @@
 """Prefix trees under context parallelism against the same trees in one process: every family on R = 2 and 3 gloo
 ranks (one spawned group per R), float64 models (float32 scoring and norms: bounds below), exact and detached,
 chunked and unchunked, response segments on and off; the trees hold a shared system prompt, shared scored response
-tokens, a row that extends another, identical rows and a lone row shorter than R (replayed at the root). Ranks
-given different trees raise on every rank."""
+tokens, rows that extend another (one scored from inside its leaf: fewer than R unscored positions before), identical
+rows and a lone row shorter than R (replayed at the root). Ranks given different trees raise on every rank."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chu
 FLOAT64_TOL = 1e-10
 
 
-def _tree(seed: int) -> tuple[list[torch.Tensor], list[int]]:
+def _tree(seed: int, scored_inside: bool = True) -> tuple[list[torch.Tensor], list[int]]:
     """Rows and their first scored token: 2 groups x 3 responses after one system prompt, each group's responses
     sharing their first 5 tokens; a per-turn row extending row 0; a copy of row 1 scored from a later token; a
-    lone 3-token row."""
+    lone 3-token row; with ``scored_inside`` a row extending row 3 scored from the second token after it (left out
+    of detached walks: one process captures that unscored token, so its state is a constant there, while under CP
+    the leaf replays it with autograd; the paper's detached gradient depends on where the prompt ends)."""
     gen = torch.Generator().manual_seed(seed)
     system = torch.randint(0, VOCAB, (30,), generator=gen)
     rows, starts = [], []
@@ -40,6 +42,9 @@ def _tree(seed: int) -> tuple[list[torch.Tensor], list[int]]:
     starts.append(starts[1] + 1)
     rows.append(torch.randint(0, VOCAB, (3,), generator=gen))
     starts.append(1)
+    if scored_inside:  # scored from its leaf's second position: under CP the leaf starts with fewer than R unscored
+        rows.append(torch.cat([rows[3], torch.randint(0, VOCAB, (5,), generator=gen)]))  # positions
+        starts.append(len(rows[3]) + 1)
     return rows, starts
 
 
@@ -73,8 +78,8 @@ def _compare_worker(rank: int, world: int) -> list[dict]:
     out = []
     for index, family in enumerate(FAMILIES):
         model = tiny_model(family, torch.float64, seed=index)
-        rows, starts = _tree(index)
         for config in CONFIGS:
+            rows, starts = _tree(index, scored_inside=config[2] == "exact")
             with float64_throughout():
                 result, log_probs, grad = _run(model, rows, starts, config, group)
                 if rank == 0:
