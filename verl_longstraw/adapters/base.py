@@ -222,6 +222,10 @@ class Adapter(ABC):
     model_types: tuple[str, ...] = ()
     weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
     layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``mix`` runs (None: not read)
+    # the expert-parallel plan of a MoE family whose config has no base_model_ep_plan (``parallel.experts``): module
+    # and parameter names under the base model (``*`` for a layer number) to transformers' styles, the experts
+    # module's ``ep_dispatch_experts`` and its 3-D weights' ``grouped_gemm`` (experts on dim 0); None: none needed
+    expert_plan: dict[str, str] | None = None
 
     def __init__(self, model: nn.Module):
         self.model = model  # the module called (FSDP2's root hooks; a peft model's wrapper)

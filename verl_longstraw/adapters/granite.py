@@ -30,6 +30,9 @@ _MAMBA = "linear_attention"
 @register
 class GraniteMoeHybridAdapter(Adapter):
     model_types = ("granitemoehybrid",)
+    expert_plan = {"layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
+                   "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
+                   "layers.*.block_sparse_moe.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (mamba2_mix)
     layer_types = (_MAMBA, "full_attention")
 
