@@ -10,10 +10,10 @@ The stages run in this order, ``benchmarks/gpu_check_stages.py`` has what each c
 ops at real layer shapes, gpt-oss's sinks included) and scale (memory and time at growing prompt length at real
 widths), the only real-shape measurements, then equivalence and fsdp2 (every tiny model case, newest first,
 bfloat16 -> autocast -> float32). Each stage runs in a fresh process (``gpu_check_stages.py``) with a deadline: its
-share (SHARES) of the budget left, what earlier stages left unused going to the later ones, after RESERVE_SECONDS
-for the end. A process still running OVERRUN_SECONDS past its deadline (an NCCL hang, a CUDA backward that never
-returns: C++ that no signal interrupts) is killed and recorded as hung. So a sticky CUDA error or a hang costs its
-stage only, and the rows it wrote before stay.
+share (SHARES) of the budget left, what earlier stages left unused going to the later ones, less the last stage's
+overrun and END_SECONDS for the end. A process still running OVERRUN_SECONDS past its deadline (an NCCL hang, a CUDA
+backward that never returns: C++ that no signal interrupts) is killed and recorded as hung. So a sticky CUDA error or
+a hang costs its stage only, and the rows it wrote before stay.
 
 The report (``--out``, ``benchmarks/results/`` by default; ``gpu_check.json`` / ``.md``, ``gpu_check_tiny.*`` with
 ``--tiny``) is rewritten after every stage: the rows of each stage (a row's ``key`` names it: ``row_key``), what each
@@ -43,9 +43,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STAGES_SCRIPT = HERE / "gpu_check_stages.py"
 STAGES = ("ops", "scale", "equivalence", "fsdp2")  # the run's order: the real-shape stages before the tiny rows
-SHARES = {"ops": 0.1, "scale": 0.4, "equivalence": 0.33, "fsdp2": 0.17}  # of the budget after RESERVE_SECONDS
+SHARES = {"ops": 0.1, "scale": 0.4, "equivalence": 0.33, "fsdp2": 0.17}  # of the budget left for the stages
 OVERRUN_SECONDS = 30.0  # how long a stage's process may run past its deadline before it is killed as hung
-RESERVE_SECONDS = OVERRUN_SECONDS + 5.0  # the last stage's overrun and the last report fit in the budget
+END_SECONDS = 5.0  # the last report, after the last stage's overrun, still inside the budget
+NO_KERNELS = {"attention": {}, "gated_delta_rule": []}  # a stage that recorded none
 # Equivalence and FSDP2 cases, newest first: the code each exercises landed in this order (git log of
 # verl_longstraw/tiny.py, adapters/ and ops/), so a run cut short has checked what no earlier run has.
 CASES_NEWEST_FIRST = ("granitemoehybrid", "gpt_oss", "kimi_linear", "nemotron_h", "glm_moe_dsa_shared_indexer",
@@ -284,7 +285,7 @@ def merge(result: dict, stage: str, part: dict | None, problem: str | None, old:
     if errors:
         result["stage_errors"][stage] = "\n".join(errors)
     if part is not None:
-        result["kernels"][stage] = part["kernels"] or {"attention": {}, "gated_delta_rule": []}
+        result["kernels"][stage] = part["kernels"] or NO_KERNELS
         if result["device"] is None:
             result.update(device=part["device"], machine=part["machine"], versions=part["versions"])
 
@@ -352,8 +353,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
         calibration = calibrate(args.tiny, args.budget_seconds)
         print(json.dumps(calibration), flush=True)
         return calibration
-    reserve = min(RESERVE_SECONDS, args.overrun_seconds + 5.0)
-    end = started + max(args.budget_seconds - reserve, 0.1 * args.budget_seconds)
+    end = started + max(args.budget_seconds - args.overrun_seconds - END_SECONDS, 0.1 * args.budget_seconds)
     old = json.loads(args.rerun_failed.read_text()) if args.rerun_failed else None
     old_stages = set(old["planned"]) if old else set()
     stages = [stage for stage in STAGES if stage in args.stages or stage in old_stages]
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
     for stage, why in carried.items():
         result["planned"][stage], result[stage] = old["planned"][stage], old[stage]
         result["not_run"][stage] = why
-        result["kernels"][stage] = old["kernels"].get(stage, {"attention": {}, "gated_delta_rule": []})
+        result["kernels"][stage] = old["kernels"].get(stage, NO_KERNELS)
         if stage in old["stage_errors"]:
             result["stage_errors"][stage] = old["stage_errors"][stage]
         result.update({k: old[k] for k in ("device", "machine", "versions") if result[k] is None})

@@ -478,9 +478,8 @@ def equivalence(device: torch.device, options: SimpleNamespace, deadline: float,
     """Replay vs the float32 standard path per case (newest first) and dtype (bfloat16, autocast, float32), with
     the standard path's own errors in that dtype / under that autocast; each row ``part.record``-ed, its ``family``
     the case's name."""
-    rows = [(case, name) for case in options.cases for name in EQUIVALENCE_DTYPES
-            if row_key("equivalence", {"family": case, "dtype": name}) not in options.skip]
-    part.plan([row_key("equivalence", {"family": case, "dtype": name}) for case, name in rows])
+    rows = part.plan([(case, name) for case in options.cases for name in EQUIVALENCE_DTYPES],
+                     lambda row: {"family": row[0], "dtype": row[1]})
     models: dict = {}
     for index, (case, name) in enumerate(rows):
         groups = row_groups(case, options.prompt_len, device)
@@ -538,8 +537,7 @@ def fsdp2_case(case: str, device: torch.device, groups: list, chunk_size: int) -
 def fsdp2(device: torch.device, options: SimpleNamespace, deadline: float, part: Part) -> None:
     """Exact replay on a single-rank FSDP2 model (bfloat16 parameters, float32 reduction) vs the unwrapped float32
     standard path, bounded by the standard path's error on the same wrapped model under the same policy."""
-    cases = [case for case in options.cases if row_key("fsdp2", {"family": case}) not in options.skip]
-    part.plan([row_key("fsdp2", {"family": case}) for case in cases])
+    cases = part.plan(list(options.cases), lambda case: {"family": case})
     with process_group(device):
         for index, case in enumerate(cases):
             groups = row_groups(case, options.prompt_len, device)
@@ -712,9 +710,7 @@ def op_case(case: OpCase, seg_len: int, device: torch.device) -> dict:
 def ops(device: torch.device, options: SimpleNamespace, deadline: float, part: Part) -> None:
     """The prefix-attention ops at a real layer's shapes (bfloat16, forward + backward), each against float64."""
     seg_len = 16 if options.tiny else 1024
-    cases = [case for case in op_cases(options.tiny)
-             if row_key("ops", {"shape": case.shape_name, "op": case.op}) not in options.skip]
-    part.plan([row_key("ops", {"shape": case.shape_name, "op": case.op}) for case in cases])
+    cases = part.plan(op_cases(options.tiny), lambda case: {"shape": case.shape_name, "op": case.op})
     for index, case in enumerate(cases):
         row, failure = attempt(case_deadline(deadline, len(cases) - index),
                                functools.partial(op_case, case, seg_len, device))
@@ -826,12 +822,11 @@ def scale(device: torch.device, options: SimpleNamespace, deadline: float, part:
     start_len, max_len = (128, 1024) if options.tiny else (4096, 1 << 21)
     response_len, chunk_size = (16, 64) if options.tiny else (256, 8192)
     dtype = torch.float32 if options.tiny else torch.bfloat16  # CPU bf16 Gated DeltaNet is too slow for a smoke test
-    series = {name: [(g, path) for g, paths in SCALE_PATHS.items() for path in paths
-                     if row_key("scale", {"model": name, "G": g, "path": path}) not in options.skip]
-              for name in configs}
-    series = {name: runs for name, runs in series.items() if runs}
-    part.plan([row_key("scale", {"model": name, "G": g, "path": path}) for name, runs in series.items()
-               for g, path in runs])
+    planned = part.plan([(name, g, path) for name in configs for g, paths in SCALE_PATHS.items() for path in paths],
+                        lambda run: {"model": run[0], "G": run[1], "path": run[2]})
+    series: dict[str, list[tuple[int, str]]] = {}
+    for name, g, path in planned:
+        series.setdefault(name, []).append((g, path))
     for model_index, (name, runs) in enumerate(series.items()):
         config = configs[name]
         model_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(series) - model_index)
@@ -918,8 +913,9 @@ class Part:
     """This stage's rows and facts, written to ``path`` as JSON after every row (replaced whole: a killed process
     leaves the last complete one)."""
 
-    def __init__(self, path: Path, stage: str, device: torch.device, device_name: str):
-        self.path, self.stage = path, stage
+    def __init__(self, path: Path, stage: str, device: torch.device, device_name: str,
+                 skip: frozenset[str] = frozenset()):
+        self.path, self.stage, self.skip = path, stage, skip
         self.facts = {"stage": stage, "device": device_name, "machine": describe(machine()),
                       "versions": versions(device)}
         self.planned: list[str] = []
@@ -935,10 +931,14 @@ class Part:
         staged.write_text(text)
         staged.replace(self.path)
 
-    def plan(self, keys: list[str]) -> None:
-        """The rows this process will run, in order (before the first runs)."""
-        self.planned = keys
+    def plan(self, items: list, fields: Callable[[Any], dict]) -> list:
+        """Of ``items`` (the stage's rows, in order; ``fields(item)``: the row fields ``row_key`` names a row by),
+        those whose key is not skipped: the rows this process will run, planned before the first runs."""
+        keyed = [(row_key(self.stage, fields(item)), item) for item in items]
+        kept = [(key, item) for key, item in keyed if key not in self.skip]
+        self.planned = [key for key, _ in kept]
         self.write()
+        return [item for _, item in kept]
 
     def record(self, row: dict) -> None:
         """Add ``row`` (its ``key`` set here) and rewrite the part; DeviceLost when the row's failure lost the
@@ -976,12 +976,12 @@ def run_stage(stage: str, part_path: Path, until: float, tiny: bool = False,
         lost = None
     except Exception as error:
         device_name, lost = "unusable", f"CUDA failed at the start: {type(error).__name__}: {error}"[:500]
-    part = Part(part_path, stage, device, device_name)
+    part = Part(part_path, stage, device, device_name, skip)
     if lost is not None:
         part.stage_error = lost
         part.write()
         return part
-    options = SimpleNamespace(tiny=tiny, cases=cases, skip=skip, prompt_len=PROMPT_LEN)
+    options = SimpleNamespace(tiny=tiny, cases=cases, prompt_len=PROMPT_LEN)
     recorder = KernelRecorder()
     try:
         with float32_without_tf32(), recorder.recording(part):

@@ -162,7 +162,7 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> int:
         """Pinned host bytes (``state_grad_on_host``): the state-gradient sums and their staging buffer."""
-        return self.state_grad_bytes - self.device_state_grad_bytes + self.in_flight_bytes
+        return self.state_grad_bytes + self.staging_bytes if self.state_grad_on_host else 0
 
 
 class _Shapes:

@@ -48,10 +48,11 @@ class PathState:
                 [kind.open(value, self.capacity) for kind, value in zip(layer, values, strict=True)]
                 for layer, values in zip(self.kinds, state, strict=True)
             ]
-            if self.on_host:  # a value's dtype is its kind's in a model of that dtype (a float32 state's too)
-                self.staged = StagedCopies(max(
-                    (kind.nbytes(self.capacity, value.dtype) for layer, values in zip(self.kinds, state, strict=True)
-                     for kind, value in zip(layer, values, strict=True) if kind.differentiable), default=0))
+            if self.on_host:  # the model's dtype: a state tensor's without a minimum dtype of its own
+                pairs = [(kind, value) for layer, values in zip(self.kinds, state, strict=True)
+                         for kind, value in zip(layer, values, strict=True)]
+                model_dtype = next((v.dtype for k, v in pairs if k.min_dtype is None), pairs[0][1].dtype)
+                self.staged = StagedCopies(staging_nbytes(self.kinds, self.capacity, model_dtype))
         for layer, storages, values in zip(self.kinds, self.storage, state, strict=True):
             for kind, storage, value in zip(layer, storages, values, strict=True):
                 kind.write(storage, key, row_start, value)
