@@ -164,6 +164,7 @@ def _uneven_worker(rank: int, world: int) -> dict:
             module.e_score_correction_bias.copy_(torch.tensor([10.0] * local + [0.0] * (EXPERTS - local)))
     reference = copy.deepcopy(model)
     experts = ep.apply_expert_parallel(model, dist.group.WORLD)
+    traced = _traced_bytes(model, seed=rank)
     routed = []
     for name, module in reference.named_modules():
         if name.endswith("mlp.experts"):  # called with (tokens, chosen expert indices, their weights)
@@ -172,16 +173,37 @@ def _uneven_worker(rank: int, world: int) -> dict:
     received = [0.0 if p.grad is None else float(p.grad.to_local().abs().sum()) for p in experts]  # this rank's
     if rank == 0:
         record["routed_to"] = sorted({int(i) for indices in routed for i in indices.flatten()})
-    return {**record, "received": received}
+    return {**record, "received": received, "traced": traced}
+
+
+def _traced_bytes(model, seed: int) -> tuple[int, int]:
+    """(bytes ``trace_all_to_all`` counts on this rank, the bytes of the (token, expert) pairs this rank dispatches)
+    over one forward and backward of 12 tokens. Over the group the first is 4 times the second: the pairs go out
+    and come back, and their gradients do the same."""
+    pairs = []
+    hooks = [module.register_forward_pre_hook(lambda m, args: pairs.append(args[1].numel() * args[0].shape[-1]
+                                                                           * args[0].element_size()))
+             for _, module in ep._dispatched(model, ep.expert_plan(model))]
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(seed))
+    with ep.trace_all_to_all() as sent:
+        model(input_ids=ids).logits.sum().backward()
+    for hook in hooks:
+        hook.remove()
+    return sum(sent), sum(pairs)
 
 
 @needs_plan
 def test_uneven_routing_and_a_rank_whose_experts_get_no_token():
+    """Every token goes to rank 0's experts: the same results as one process, rank 1's experts get no gradient; and
+    ``trace_all_to_all`` sees every token the dispatcher exchanges (its wrapped name is the one transformers
+    calls)."""
     results = run_ranks(_uneven_worker, 2, timeout_s=600)
     reference = results[0]
     assert reference["routed_to"] and max(reference["routed_to"]) < EXPERTS // 2  # only rank 0's experts
     assert reference["lp_err"] < 1e-5 and reference["grad_err"] < 1e-5, reference
     assert all(g > 0 for g in results[0]["received"]) and all(g == 0 for g in results[1]["received"])
+    traced, dispatched = (sum(r["traced"][k] for r in results) for k in (0, 1))  # the group's
+    assert dispatched > 0 and traced == 4 * dispatched, (traced, dispatched)
 
 
 def _refusal_worker(rank: int, world: int) -> list[str]:

@@ -48,6 +48,10 @@ class LongStrawConfig(BaseConfig):
         response_chunk_size: a scored leaf (a response) longer than this replays as a chain of segments of this
             many tokens, captured and recomputed like a chunked prompt, so a long response holds one segment's
             graph instead of its whole length's; None (default) replays each response whole. One process only.
+        expert_parallel: split each MoE layer's routed experts over the CP group (``verl_longstraw.parallel.experts``:
+            transformers' expert-parallel plan, E / context_parallel_size resident per rank, tokens exchanged by
+            all-to-all) instead of FSDP2 gathering all of them per call. Needs context_parallel_size > 1, routed
+            experts divisible by it, transformers >= 5.19 and a family with an expert-parallel plan.
     """
 
     prompt_grad: str = "exact"
@@ -60,6 +64,7 @@ class LongStrawConfig(BaseConfig):
     single_forward: bool = True
     min_shared_tokens: int = 64
     response_chunk_size: Optional[int] = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         where = "actor_rollout_ref.actor.longstraw"
@@ -85,9 +90,15 @@ class LongStrawConfig(BaseConfig):
         if not _positive_int(self.replay_tokens):
             raise ValueError(f"{where}.replay_tokens={self.replay_tokens!r} must be a positive integer (response "
                              "tokens per replay forward; 1: one response at a time).")
-        for name in ("state_grad_on_host", "preflight", "single_forward"):
+        for name in ("state_grad_on_host", "preflight", "single_forward", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}.{name}={getattr(self, name)!r} must be true or false.")
+        if self.expert_parallel and self.context_parallel_size < 2:
+            raise ValueError(
+                f"{where}.expert_parallel=true needs {where}.context_parallel_size >= 2: the experts are split over "
+                "the CP group, whose ranks call every MoE layer in lockstep (with context_parallel_size 1 the ranks "
+                "run different groups and the all-to-all would hang); set context_parallel_size >= 2 or "
+                "expert_parallel=false.")
         budget = self.memory_budget_gb
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"{where}.memory_budget_gb={budget!r} must be a positive number of GiB or null "

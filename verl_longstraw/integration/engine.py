@@ -34,6 +34,12 @@ reduce-scatters inside the CP group. Every rank ends with a disjoint part of the
 and FSDP averages the R parts, so the loss gradient is scaled by R (veRL's Ulysses gather does the
 same); veRL's loss already carries the data-parallel factor that the replica average divides out.
 
+With `longstraw.expert_parallel` each MoE layer's routed experts are split over the CP group instead
+(`verl_longstraw.parallel.experts`, transformers' plan): E / R resident per rank outside FSDP2, the tokens
+routed to another rank's experts exchanged by all-to-all in the CP walk's lockstep. An expert's gradient
+arrives as the group's sum, so it is divided by R as it arrives (`_build_fsdp_module`); replicas average it
+with the rest.
+
 Before the first capture of a step, a pre-flight check compares the estimate of the step's largest
 unit (`verl_longstraw.estimate.estimate_plan` of its plan) with `longstraw.memory_budget_gb` or the device's free
 memory.
@@ -42,7 +48,7 @@ memory.
 import copy
 import functools
 from contextlib import nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,7 +71,7 @@ from verl_longstraw import (
     tree_backward,
     tree_log_probs,
 )
-from verl_longstraw.adapters import Adapter, adapter_for, adapter_on_meta
+from verl_longstraw.adapters import Adapter, adapter_for, model_on_meta
 from verl_longstraw.api import PromptState
 from verl_longstraw.estimate import (
     GIB,
@@ -76,7 +82,7 @@ from verl_longstraw.estimate import (
     estimate_plan,
     unsharded_bytes,
 )
-from verl_longstraw.parallel import comm
+from verl_longstraw.parallel import comm, experts
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.plan import Plan, star_plan, tree_plan
 
@@ -105,7 +111,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         self.longstraw = as_longstraw_config(getattr(engine_config, "longstraw", None))
         check_supported(engine_config, where="engine")
         if self.longstraw.context_parallel_size > 1:  # a family without a sharded form: refused before building
-            adapter_on_meta(model_config.hf_config).check_context_parallel(self.longstraw.context_parallel_size)
+            meta = model_on_meta(model_config.hf_config)
+            adapter_for(meta).check_context_parallel(self.longstraw.context_parallel_size)
+            if self.longstraw.expert_parallel:  # an old transformers, no plan, experts not divisible by R
+                experts.check_expert_parallel(meta, self.longstraw.context_parallel_size)
         # veRL's FSDP engine builds only for fsdp/fsdp2 (it reads engine_config.strategy).
         engine_config = copy.copy(engine_config)
         object.__setattr__(engine_config, "strategy", "fsdp2")
@@ -134,6 +143,26 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 get_device_name(), mesh_shape=(world // self.cp_size, self.cp_size), mesh_dim_names=("dp", "cp")
             )
             self.device_mesh = self.cp_mesh["cp"]
+
+    def _build_fsdp_module(self, module):
+        """veRL's FSDP2 wrapping and weight loading; with ``longstraw.expert_parallel`` the routed experts are set
+        aside while veRL wraps and loads the rest, then split over the CP mesh (FSDP2's mesh) and filled from rank
+        0's loaded weights (``parallel.experts``). Their gradients are divided by R as they arrive: each is already
+        the whole CP group's sum of losses the engine scaled by R (``_scale_loss``), where FSDP2 averages the dense
+        parameters' over the group."""
+        if not self.longstraw.expert_parallel:
+            return super()._build_fsdp_module(module)
+        model = module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the HF model
+        experts.check_expert_parallel(model, self.cp_size)  # LoRA on the experts: refused before any collective
+        weights = experts.expert_weights(model) if dist.get_rank() == 0 else None
+        with experts.experts_set_aside(model):
+            module = super()._build_fsdp_module(module)
+        experts.apply_expert_parallel(model, self.device_mesh)
+        experts.broadcast_expert_weights(model, weights)
+        for param in experts.expert_parameters(model):
+            if param.requires_grad:  # frozen under LoRA
+                param.register_hook(functools.partial(torch.div, other=self.cp_size))
+        return module
 
     def get_data_parallel_rank(self):
         return super().get_data_parallel_rank() if self.cp_mesh is None else self.cp_mesh["dp"].get_local_rank()
@@ -327,7 +356,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         single = not forward_only and len(modes) == 1
         two_pass = len(modes) == 2
         stats = GroupStats()
-        with comm.trace_collectives() as collectives:
+        with comm.trace_collectives() as collectives, self._trace_experts() as expert_bytes:
             if single:
                 log_probs, entropy = self._replay_once(units, micro_batch, loss_function, calculate_entropy, stats)
                 states = []
@@ -357,15 +386,21 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if not forward_only:
             metrics["longstraw/single_forward"] = Metric(AggregationType.MEAN, float(single))
         if two_pass:
-            with comm.trace_collectives() as backward_collectives:
+            with comm.trace_collectives() as backward_collectives, self._trace_experts() as backward_expert_bytes:
                 self._backward(units, states, loss, lp_flat, ent_flat, micro_batch, stats)
             collectives += backward_collectives
-        metrics.update(_stats_metrics(stats, collectives))
+            expert_bytes += backward_expert_bytes
+        metrics.update(_stats_metrics(stats, collectives, expert_bytes))
 
         output = {"loss": loss.detach().item(), "metrics": metrics}
         if forward_only or return_model_output:
             output["model_output"] = detach_tree(model_output)
         return loss.detach(), output
+
+    def _trace_experts(self) -> ContextManager[list[int]]:
+        """The experts' all-to-all bytes of this rank inside the block (``experts.trace_all_to_all``), an empty
+        list without expert parallelism."""
+        return experts.trace_all_to_all() if self.longstraw.expert_parallel else nullcontext([])
 
     def _check_request(self, micro_batch: TensorDict) -> None:
         for key in ("use_fused_kernels", "calculate_sum_pi_squared", "distillation_use_topk"):
@@ -425,7 +460,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss each rank backpropagates: through the gradient scaler if any, times R under context
-        parallelism (every rank of a CP group backpropagates its own part; see the module docstring)."""
+        parallelism (every rank of a CP group backpropagates its own part; see the module docstring). Expert-parallel
+        experts divide their gradients by R back (``_build_fsdp_module``)."""
         scaler = getattr(self, "scaler", None)
         scaled = scaler.scale(loss) if scaler is not None else loss
         return scaled * self.cp_size if self.cp_size > 1 else scaled
@@ -540,17 +576,19 @@ class LongStrawValueModel(BaseEngine):
         raise unserved_role_error("critic.strategy")
 
 
-def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str]]) -> dict[str, Metric]:
+def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str]],
+                   expert_bytes: list[int]) -> dict[str, Metric]:
     """Per-micro-batch LongStraw metrics of this rank; seconds and bytes moved sum over micro-batches,
     sizes held take the max.
 
     `prompt_state_bytes` and `state_grad_*_bytes` are this rank's (1/R of a group under context
     parallelism); `cp_collective_bytes` the tensors this rank passed to the CP collectives
-    (`verl_longstraw.parallel.comm`). `peak_memory_gb` is the device's peak allocated memory since
-    `forward_backward_batch` started (on the CPU platform: the process's peak resident set size
-    over the same span). `tokens_forwarded`: tokens this rank ran through the model (captures, replays,
-    recomputes; `GroupStats.tokens_forwarded`); `tree_segments`: segments of the plans walked (each walk of a
-    unit counts its plan's).
+    (`verl_longstraw.parallel.comm`), `ep_collective_bytes` the token tensors it passed to the experts'
+    all-to-alls, forward and backward (`experts.trace_all_to_all`; 0 without expert parallelism).
+    `peak_memory_gb` is the device's peak allocated memory since `forward_backward_batch` started (on the CPU
+    platform: the process's peak resident set size over the same span). `tokens_forwarded`: tokens this rank
+    ran through the model (captures, replays, recomputes; `GroupStats.tokens_forwarded`); `tree_segments`:
+    segments of the plans walked (each walk of a unit counts its plan's).
     """
     moved = sum(numel * getattr(torch, dtype).itemsize for _, _, numel, dtype in collectives)
     return {
@@ -558,6 +596,7 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
         "longstraw/state_grad_device_bytes": Metric(AggregationType.MAX, float(stats.state_grad_device_bytes)),
         "longstraw/state_grad_host_bytes": Metric(AggregationType.MAX, float(stats.state_grad_host_bytes)),
         "longstraw/cp_collective_bytes": Metric(AggregationType.SUM, float(moved)),
+        "longstraw/ep_collective_bytes": Metric(AggregationType.SUM, float(sum(expert_bytes))),
         "longstraw/capture_seconds": Metric(AggregationType.SUM, stats.capture_s),
         "longstraw/replay_seconds": Metric(AggregationType.SUM, stats.replay_s),
         "longstraw/prompt_backward_seconds": Metric(AggregationType.SUM, stats.prompt_backward_s),

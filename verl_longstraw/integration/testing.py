@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import verl  # noqa: F401  (loads the verl.plugins entry point: CPU platform + longstraw engine)
 from verl import DataProto
+from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import (
     FSDPActorConfig,
@@ -96,10 +97,11 @@ def actor_config(
 
 
 def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.1, lora: dict | None = None,
-                attn_implementation: str = "sdpa"):
+                attn_implementation: str = "sdpa", checkpoint: CheckpointConfig | None = None):
     """An initialized engine: veRL's FSDPEngineWithLMHead (fsdp2) or LongStrawEngine; ``lora``: HFModelConfig's
     LoRA fields (``lora_rank``, ``lora_alpha``, ``target_modules``), which make veRL build a peft model;
-    ``attn_implementation``: the model's (transformers refuses sdpa for gpt_oss, whose sinks it cannot express)."""
+    ``attn_implementation``: the model's (transformers refuses sdpa for gpt_oss, whose sinks it cannot express);
+    ``checkpoint``: what ``save_checkpoint``/``load_checkpoint`` keep (None: the engine cannot save)."""
     model_config = HFModelConfig(
         path=model_path,
         load_tokenizer=False,
@@ -113,7 +115,8 @@ def make_engine(strategy: str, model_path: str, config, mbs: int, lr: float = 0.
     engine_config.infer_micro_batch_size_per_gpu = mbs
     optim = FSDPOptimizerConfig(optimizer="SGD", lr=lr, weight_decay=0.0, clip_grad=1e9, total_training_steps=1)
     cls = LongStrawEngine if strategy == "longstraw" else FSDPEngineWithLMHead
-    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim, checkpoint_config=None)
+    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
+                 checkpoint_config=checkpoint)
     engine.initialize()
     return engine
 

@@ -20,7 +20,10 @@ without experts. ``expert_parameters`` names the first kind.
 from __future__ import annotations
 
 import importlib.metadata
+from contextlib import contextmanager
+from typing import Iterator
 
+import torch
 import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
@@ -92,6 +95,16 @@ def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
     if not experts:
         raise UnsupportedModelError(f"model_type {model.config.model_type!r}: its expert-parallel plan names no "
                                     "module of this model (already sharded, or a changed module layout)")
+    sharded = [name for name, style in plan.items() if style == SHARDED]
+    for name, module in experts:
+        unsplit = [p_name for p_name, _ in module.named_parameters() if not any(
+            _matches(pattern, f"{name}.{p_name}") for pattern in sharded)]
+        if unsplit:
+            raise UnsupportedModelError(
+                f"expert_parallel splits exactly the plan's expert weights, but {name} also holds {unsplit}: LoRA "
+                "adapters on the routed experts cannot be split (peft's all-linear adds the experts' parameters); "
+                "target the dense modules only (veRL: actor_rollout_ref.model.target_modules as a list, e.g. "
+                "[q_proj, k_proj, v_proj, o_proj]) or set expert_parallel: false")
     counts = sorted({module.num_experts for _, module in experts})
     if any(count % world for count in counts):
         raise ValueError(
@@ -101,17 +114,106 @@ def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
     return plan
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> frozenset[nn.Parameter]:
-    """Put ``model``'s routed experts on ``group`` (the CP group; None: the default group), E / R per rank, tokens
-    dispatched by all-to-all (module docstring). Checks first (``check_expert_parallel``); returns the expert
-    parameters (``expert_parameters``). Every rank of the group calls it, on the same model."""
+def apply_expert_parallel(model: nn.Module, group: DeviceMesh | dist.ProcessGroup | None = None
+                          ) -> frozenset[nn.Parameter]:
+    """Put ``model``'s routed experts on ``group`` (the CP group, or its one-dimensional mesh: FSDP2's mesh where
+    FSDP2 shards the rest, so that both kinds of DTensor meet in one gradient norm; None: the default group), E / R
+    per rank, tokens dispatched by all-to-all (module docstring). Checks first (``check_expert_parallel``); returns
+    the expert parameters (``expert_parameters``). Every rank of the group calls it, on the same model. Each rank
+    keeps its slice of the weights it has; a rank whose experts are on the meta device gets empty shards to be
+    filled by ``broadcast_expert_weights`` (which replaces those parameters: read ``expert_parameters``
+    after it)."""
     apply_expert_parallelism = _transformers_expert_parallelism()
-    world = dist.get_world_size(group)
-    plan = check_expert_parallel(model, world)
-    device = next(model.parameters()).device
-    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+    if isinstance(group, DeviceMesh):
+        mesh = group
+    else:
+        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                     next(p for p in model.parameters() if not p.is_meta).device.type)
+    plan = check_expert_parallel(model, mesh.size())
     apply_expert_parallelism(model, mesh, None, plan)
     return expert_parameters(model)
+
+
+def expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The routed-expert parameters of ``model`` before ``apply_expert_parallel``, by full name (detached, the
+    same storage): what ``broadcast_expert_weights`` sends from the rank that holds the loaded weights."""
+    return {f"{name}.{p_name}": p.detach() for name, module in _dispatched(model, expert_plan(model))
+            for p_name, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def broadcast_expert_weights(model: nn.Module, weights: dict[str, torch.Tensor] | None, src: int = 0) -> None:
+    """Fill every rank's expert shards (after ``apply_expert_parallel``) from ``weights``, the full expert weights
+    of the rank ``src`` of the default group (``expert_weights``; None on every other rank): one shard's rows at a
+    time are broadcast to every rank, and the ranks whose shard it is copy it (a transient of one shard). A shard
+    on the meta device is made first, on its mesh's device. Every rank of the default group calls it."""
+    for name, module in _dispatched(model, expert_plan(model)):
+        for p_name, param in list(module.named_parameters()):
+            local = param.to_local()
+            if local.is_meta:
+                local = torch.empty_like(local, device=_mesh_device(param.device_mesh))
+                module._parameters[p_name] = nn.Parameter(
+                    DTensor.from_local(local, param.device_mesh, param.placements, run_check=False),
+                    requires_grad=param.requires_grad)
+            rows, owner = local.shape[0], param.device_mesh.get_local_rank()
+            for shard in range(param.device_mesh.size()):
+                part = torch.empty_like(local)
+                if dist.get_rank() == src:
+                    part.copy_(weights[f"{name}.{p_name}"][shard * rows:(shard + 1) * rows])
+                dist.broadcast(part, src=src)
+                if shard == owner:
+                    local.copy_(part)
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
+@contextmanager
+def experts_set_aside(model: nn.Module) -> Iterator[None]:
+    """Take ``model``'s routed-experts modules (those its expert plan dispatches to) out of the module tree for the
+    block, an empty module in each place, then put them back where they were: what wraps the rest with FSDP2 and
+    loads its weights (veRL's ``_build_fsdp_module``) never sees them."""
+    taken = []
+    for name, module in _dispatched(model, expert_plan(model)):
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        taken.append((parent, attribute, module))
+        parent._modules[attribute] = nn.Module()  # keeps its place in the parent's order
+    try:
+        yield
+    finally:
+        for parent, attribute, module in taken:
+            parent._modules[attribute] = module
+
+
+@contextmanager
+def trace_all_to_all() -> Iterator[list[int]]:
+    """Bytes of every token tensor this rank passes to the experts' all-to-alls inside the block, appended to the
+    yielded list: the forward's (the (token, expert) pairs sent to their owners, the outputs sent back) and, for
+    those autograd will differentiate, the gradient each backward sends. (Not the per-expert counts, E int64 per
+    call.) Wraps the name transformers' dispatcher calls, ``transformers.distributed.tensor_parallel
+    .all_to_all_single`` (torch's functional collective; tests/parallel/test_experts.py pins that the dispatcher
+    goes through it)."""
+    from transformers.distributed import tensor_parallel
+
+    original = tensor_parallel.all_to_all_single
+    sent: list[int] = []
+
+    def traced(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        sent.append(tensor.numel() * tensor.element_size())
+        out = original(tensor, *args, **kwargs)
+        if out.requires_grad:
+            out.register_hook(lambda grad: sent.append(grad.numel() * grad.element_size()))
+        return out
+
+    tensor_parallel.all_to_all_single = traced
+    try:
+        yield sent
+    finally:
+        tensor_parallel.all_to_all_single = original
 
 
 def expert_parameters(model: nn.Module) -> frozenset[nn.Parameter]:
