@@ -2,8 +2,9 @@
 `fsdp2` engine (every parameter FSDP2-sharded, experts gathered per call) on the same global batch: spawned gloo
 ranks under a hard timeout, tiny random-init MoE models loaded by veRL's own model loading.
 
-- compute_log_prob's log-probs and entropies, one update_actor step's gradients and parameters (KL loss and entropy
-  on, SGD: an expert gradient scaled twice moves its parameters twice as far), qwen3_moe and deepseek_v3 (MLA);
+- compute_log_prob's log-probs and entropies, one update_actor step's gradients, the norm veRL's clipping takes
+  over both kinds of DTensor, and the parameters (KL loss and entropy on, SGD: an expert gradient scaled twice
+  moves its parameters twice as far), qwen3_moe and deepseek_v3 (MLA);
   each rank holds E / 2 experts of every MoE layer and reports the all-to-all bytes it moved;
 - the weights veRL exports to the rollout (``get_per_tensor_param``, the experts gathered with ``full_tensor``)
   equal the stock engine's after the step;
@@ -66,7 +67,7 @@ def _run(strategy: str, model_dir: str, rank: int, world: int, checkpoint_dir: s
     out = testing.infer(engine, td.clone(), mbs)["model_output"]
     grads, params, metrics = testing.train_step(engine, td.clone(), cfg, mbs)
     result = {name: no_padding_2_padding(out[name], td) * td["response_mask"] for name in ("log_probs", "entropy")}
-    result.update(grads=grads, params=params, exported=_exported(engine))
+    result.update(grads=grads, params=params, grad_norm=metrics["grad_norm"], exported=_exported(engine))
     if strategy == "longstraw":
         model = engine.module
         shards = ep.expert_parameters(model)
@@ -131,6 +132,7 @@ def test_expert_parallel_engine_matches_fsdp2(saved_models, tmp_path):
             assert testing.rel_diff(expert_grads, {n: stock[0]["grads"][n] for n in result["experts"]}) < 1e-5
             assert testing.rel_diff(result["grads"], stock[0]["grads"]) < 1e-5, (family, rank)
             assert testing.rel_diff(result["params"], stock[0]["params"]) < 1e-5, (family, rank)
+            assert abs(result["grad_norm"] / stock[0]["grad_norm"] - 1) < 1e-5, (family, rank)  # clipping's norm
             assert testing.rel_diff(result["exported"], stock[0]["exported"]) < 1e-5, (family, rank)
             assert all(torch.equal(result["loaded"][n], result["params"][n]) for n in result["params"]), family
             assert result["ep_bytes"] > 0

@@ -300,7 +300,8 @@ def compute_log_prob(engine, td, micro_batch_size: int):
 
 
 def train_step(engine, td, config, micro_batch_size: int):
-    """One update_actor step; returns (full gradients, full parameters after the step, metrics)."""
+    """One update_actor step; returns (full gradients, full parameters after the step, metrics: the engine's, and
+    ``grad_norm``, the gradient norm veRL's clipping computed)."""
     tu.assign_non_tensor(
         td, calculate_entropy=config.entropy_coeff != 0, compute_loss=True, micro_batch_size_per_gpu=micro_batch_size
     )
@@ -309,9 +310,9 @@ def train_step(engine, td, config, micro_batch_size: int):
         engine.optimizer_zero_grad()
         out = engine.forward_backward_batch(td, loss_fn, forward_only=False)
         grads = {n: full(p.grad).clone() for n, p in engine.module.named_parameters() if p.grad is not None}
-        engine.optimizer_step()
+        metrics = {**out["metrics"], "grad_norm": engine.optimizer_step()}
     params = {n: full(p.data).clone() for n, p in engine.module.named_parameters()}
-    return grads, params, out["metrics"]
+    return grads, params, metrics
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
