@@ -55,6 +55,7 @@ import torch
 
 from .adapters import Adapter, Mixer, adapter_on_meta, model_on_meta
 from .adapters.base import MIXER_KINDS
+from .adapters.lora import base_model
 from .errors import UnsupportedModelError
 from .ops import attention as attention_ops
 from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
@@ -62,6 +63,7 @@ from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_d
 from .ops.kda import kda_torch_saved_bytes
 from .ops.ssd_scan import ssd_torch_saved_bytes
 from .ops.window_attention import window_attention_fused_dtype, window_attention_saved_bytes
+from .parallel import experts as parallel_experts
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import REPLAY_TOKENS, Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
@@ -130,6 +132,10 @@ class MemoryEstimate:
     detached_total_bytes: int = 0  # ``total_bytes`` of the same walk in detached mode (its own in detached mode)
     staging_bytes: int = 0  # exact mode: the largest state gradient, which ``state_grad_on_host`` stages through a
     # pinned buffer of its size while its source on the device waits for the copy
+    layer_call_tokens: int = 0  # the most tokens this rank runs through one layer in one call of the walk (a captured
+    # or recomputed chunk's own rows, a replay batch's padded tokens): what one MoE layer's token exchange carries
+    all_to_all_bytes: int = 0  # expert parallelism: the send and receive buffers of the largest MoE-layer call's
+    # token exchange (``ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -147,9 +153,10 @@ class MemoryEstimate:
 
     @property
     def transient_bytes(self) -> int:
-        """The largest transient: pass-Q's score block, a scoring chunk or a fused attention layer's backward (they
-        happen at different moments, so the largest counts)."""
-        return max(self.score_block_bytes, self.replay_backward_transient_bytes, self.prompt_backward_transient_bytes)
+        """The largest transient: pass-Q's score block, a scoring chunk, a fused attention layer's backward or an MoE
+        layer's all-to-all buffers (they happen at different moments, so the largest counts)."""
+        return max(self.score_block_bytes, self.replay_backward_transient_bytes, self.prompt_backward_transient_bytes,
+                   self.all_to_all_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -457,6 +464,7 @@ def estimate_memory(
     checkpointed: bool = False,
     replay_tokens: int = REPLAY_TOKENS,
     device_type: str = "cuda",
+    expert_parallel: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
     for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens.
@@ -487,11 +495,15 @@ def estimate_memory(
     ``device_type``: the device kind whose kernels the fused attention backward's transients are counted for
     (``transient_bytes``; CUDA's flash kernels expand grouped K/V gradients and accumulate dq in float32, the CPU
     kernel computes half inputs in float32).
+
+    ``expert_parallel``: the model's routed experts are split over the CP group (``parallel.experts``); the
+    largest MoE-layer call's all-to-all buffers count as a transient (``all_to_all_bytes``).
     """
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
-    return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type)
+    return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type,
+                         expert_parallel)
 
 
 def estimate_plan(
@@ -503,6 +515,7 @@ def estimate_plan(
     state_grad_on_host: bool = False,
     checkpointed: bool = False,
     device_type: str = "cuda",
+    expert_parallel: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory of a training walk of ``plan`` (a star, a chain, a prefix tree: ``plan.star_plan``,
     ``plan.tree_plan``) computing ``mode`` ("exact" or "detached") on its rank (``plan.rank`` of ``plan.world``).
@@ -511,7 +524,7 @@ def estimate_plan(
     (``Plan.held``: a ``Rows`` buffer of ``plan.capacity`` rows and each held segment's fixed-size state) and
     their gradient sums, the saved-for-backward peak of the largest replay (a batch of leaves after their
     parent's rows) and of the largest recompute (a captured segment after its prefix), and the transients of
-    those steps and of the captures. ``dtype`` ... ``device_type``: as ``estimate_memory``.
+    those steps and of the captures. ``dtype`` ... ``expert_parallel``: as ``estimate_memory``.
     """
     if mode not in ("exact", "detached"):
         raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
@@ -535,7 +548,7 @@ def estimate_plan(
 
     hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves
     replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
-    batch_most = 1
+    batch_most, call_tokens = 1, 0
     for step in plan.steps(mode):
         if step.phase == "replay":
             leaves = [plan.segments[i] for i in step.segments if i is not None]
@@ -555,12 +568,14 @@ def estimate_plan(
             score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens),
                               alone.pass_q_score_block(queries, prefix + tokens))
             batch_most = max(batch_most, batch)
+            call_tokens = max(call_tokens, batch * tokens)
             continue
         if step.phase not in ("capture", "recompute"):
             continue
         segment = plan.segments[step.segments[0]]
         sizes, prefix = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)[rank]
         own = sizes[rank if step.split is not None else 0]
+        call_tokens = max(call_tokens, own)
         # a capture (and recompute): its tokens of all ranks against this rank's rows
         score_block = max(score_block, shapes.pass_q_score_block(segment.length, rows))
         if segment.scored:
@@ -590,9 +605,12 @@ def estimate_plan(
         state_grad_on_host=state_grad_on_host,
         replay_batch=batch_most,
         staging_bytes=staging,
+        layer_call_tokens=call_tokens,
+        all_to_all_bytes=expert_exchange(adapter.model, call_tokens, dtype).transient_bytes if expert_parallel else 0,
     )
     detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
-                                                                 state_grad_on_host, checkpointed, device_type)
+                                                                 state_grad_on_host, checkpointed, device_type,
+                                                                 expert_parallel)
     return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)
 
 
@@ -633,10 +651,16 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
         f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
         f"one layer's backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
-        f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward) "
+        f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward, MoE "
+        f"all-to-all) "
         f"{gib(e.transient_bytes)}. To fit: "
         + "; ".join(knobs) + "; or shorten the prompt"
     )
+
+
+def _largest_pair(units: Sequence[int]) -> int:
+    """The most of two consecutive ``units`` (all of them when there are fewer than two)."""
+    return max((a + b for a, b in zip(units[:-1], units[1:], strict=True)), default=sum(units))
 
 
 @dataclass(frozen=True)
@@ -644,16 +668,24 @@ class ParameterCounts:
     """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
     (``verl.utils.fsdp_utils.apply_fsdp2``), in the order a forward runs them: the input embedding, each
     decoder layer, the lm_head (embedding and lm_head are units only when untied); ``root``: the rest
-    (e.g. the final norm), sharded with the root module. ``trains``: the same counts of the parameters that get
-    gradients and optimizer state (a LoRA model's adapters; None: every parameter)."""
+    (e.g. the final norm), sharded with the root module. ``experts``: of each unit's parameters, those of its routed
+    experts (``parallel.experts.dispatched_experts``: what expert parallelism splits over the CP group and keeps
+    out of FSDP2; 0 for a dense unit). ``trains``: the same counts of the parameters that get gradients and
+    optimizer state (a LoRA model's adapters; None: every parameter)."""
 
     units: tuple[int, ...]
     root: int
+    experts: tuple[int, ...]
     trains: ParameterCounts | None = None
 
     @property
     def total(self) -> int:
         return sum(self.units) + self.root
+
+    @property
+    def expert_total(self) -> int:
+        """The routed experts' parameters, all MoE layers."""
+        return sum(self.experts)
 
     @property
     def trainable(self) -> ParameterCounts:
@@ -663,7 +695,13 @@ class ParameterCounts:
     @property
     def largest_pair(self) -> int:
         """The most parameters of two consecutive units: FSDP2 unsharding the running unit and the next."""
-        return max((a + b for a, b in zip(self.units[:-1], self.units[1:], strict=True)), default=sum(self.units))
+        return _largest_pair(self.units)
+
+    @property
+    def largest_pair_without_experts(self) -> int:
+        """The most parameters of two consecutive units less their routed experts: what FSDP2 unshards at once
+        under expert parallelism (the experts stay resident shards)."""
+        return _largest_pair([unit - experts for unit, experts in zip(self.units, self.experts, strict=True)])
 
 
 def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
@@ -679,33 +717,95 @@ def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
 
 
 def count_units(model: torch.nn.Module) -> ParameterCounts:
-    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` made them DTensors), and
-    (``trains``) those that require gradients where some do not (a LoRA model)."""
+    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` or expert parallelism made them
+    DTensors), those of its routed experts (``parallel.experts.dispatched_experts``; none for a model without an
+    expert-parallel plan), and (``trains``) those that require gradients where some do not (a LoRA model)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight is not embed.weight
     modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
+    try:
+        routed = {p for _, module in parallel_experts.dispatched_experts(model) for p in module.parameters()}
+    except UnsupportedModelError:  # no expert-parallel plan: every parameter is FSDP2's
+        routed = set()
 
-    def counts(which) -> tuple[tuple[int, ...], int]:
+    def counts(which, trains: ParameterCounts | None = None) -> ParameterCounts:
         units = tuple(sum(p.numel() for p in m.parameters() if which(p)) for m in modules)
-        return units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units)
+        experts = tuple(sum(p.numel() for p in m.parameters() if which(p) and p in routed) for m in modules)
+        return ParameterCounts(units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units), experts,
+                               trains)
 
     frozen = any(not p.requires_grad for p in model.parameters())
-    trains = ParameterCounts(*counts(lambda p: p.requires_grad)) if frozen else None
-    return ParameterCounts(*counts(lambda p: True), trains=trains)
+    return counts(lambda p: True, counts(lambda p: p.requires_grad) if frozen else None)
 
 
 def unsharded_bytes(
-    params: ParameterCounts, cp_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, training: bool
+    params: ParameterCounts,
+    cp_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    training: bool,
+    expert_parallel: bool = False,
 ) -> tuple[int, int]:
     """(parameter bytes, gradient bytes) a rank holds unsharded at once during a step: two consecutive FSDP2
     units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
-    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch). Gradients (``training``) of the
-    parameters that train (``ParameterCounts.trainable``) in ``param_dtype`` plus their ``reduce_dtype`` copy for
-    the reduce-scatter: an upper bound."""
-    count = params.largest_pair if cp_size > 1 else params.total
-    trained = params.trainable.largest_pair if cp_size > 1 else params.trainable.total  # LoRA: the adapters
+    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch); with ``expert_parallel`` the two units
+    less their routed experts (``ParameterCounts.largest_pair_without_experts``; the experts' shards are resident,
+    ``expert_shard_bytes``). Gradients (``training``) of the parameters that train (``ParameterCounts.trainable``) in
+    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
+    if expert_parallel and cp_size < 2:
+        raise ValueError(f"expert_parallel splits the experts over the CP group: cp_size must be > 1, got {cp_size}")
+
+    def held(counts: ParameterCounts) -> int:
+        if expert_parallel:
+            return counts.largest_pair_without_experts
+        return counts.largest_pair if cp_size > 1 else counts.total
+
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
-    return count * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
+    trained = held(params.trainable)  # LoRA: the adapters
+    return held(params) * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
+
+
+class ExpertShardBytes(NamedTuple):
+    """Bytes of the routed-expert shards one rank of a CP group of R holds under expert parallelism: E / R experts of
+    every MoE layer, DTensors outside FSDP2 in their own dtype (the model's: veRL's ``fsdp_config.model_dtype``)."""
+
+    parameters: int  # resident: 1/R of the routed experts' parameters
+    gradients: int  # of those that train: from a step's first backward until the optimizer step (each the whole
+    # group's gradient of the rank's experts)
+    moments: int  # AdamW's exp_avg and exp_avg_sq of those that train, in the same dtype
+
+
+def expert_shard_bytes(params: ParameterCounts, cp_size: int, dtype: torch.dtype) -> ExpertShardBytes:
+    """The routed-expert shards (``ParameterCounts.experts``) of one of ``cp_size`` ranks in ``dtype``: each MoE
+    layer's experts divide evenly over the ranks (``parallel.experts.check_expert_parallel`` requires it)."""
+    shard = sum(experts // cp_size for experts in params.experts) * dtype.itemsize
+    trained = sum(experts // cp_size for experts in params.trainable.experts) * dtype.itemsize
+    return ExpertShardBytes(parameters=shard, gradients=trained, moments=2 * trained)
+
+
+class ExpertExchange(NamedTuple):
+    """One MoE-layer call's token exchange on one rank under expert parallelism (transformers'
+    ``EpDispatchExpertsParallel``: the rank's tokens go to their ``top_k`` experts' owners by all-to-all, one hidden
+    vector per (token, top-k slot) pair, and the experts' outputs come back the same way), in bytes."""
+
+    pair_bytes: int  # [tokens x top_k, hidden] in the model dtype: the pairs this rank dispatches (exact whatever the
+    # routing); with balanced routing also the pairs it receives, the outputs it returns and those it gets back
+    transient_bytes: int  # the dispatch's send and receive buffers held at once: 2 x pair_bytes with balanced routing
+    # (a rank that receives every pair of the group's R ranks holds (R + 1) x pair_bytes)
+    collective_bytes: int  # the tensors passed to the token all-to-alls in the call's forward, dispatched pairs and
+    # returned outputs: 2 x pair_bytes expected (exact summed over ranks routing equal tokens); the backward passes as
+    # many again; the exchange of the counts (8 B x the layer's E experts) is not included
+
+
+def expert_exchange(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> ExpertExchange:
+    """The token exchange of the largest MoE layer of ``model`` (a real one or ``model_on_meta``) for ``tokens``
+    tokens of this rank in ``dtype``: the experts' input width (``hidden_dim`` of its
+    ``parallel.experts.dispatched_experts``) and the config's ``num_experts_per_tok``. UnsupportedModelError for a
+    model without an expert-parallel plan."""
+    width = max(module.hidden_dim for _, module in parallel_experts.dispatched_experts(model))
+    pairs = tokens * base_model(model).config.get_text_config().num_experts_per_tok
+    pair_bytes = pairs * width * dtype.itemsize
+    return ExpertExchange(pair_bytes=pair_bytes, transient_bytes=2 * pair_bytes, collective_bytes=2 * pair_bytes)
 
 
 @dataclass(frozen=True)
@@ -721,11 +821,14 @@ class Training:
     """What one training step runs on each rank (a recipe's knobs): GRPO groups of ``group_size`` responses of
     at most ``response_len`` tokens to a ``prompt_len``-token prompt; LongStraw's ``chunk_size``,
     ``prompt_grad``, ``cp_size`` (context_parallel_size R = the FSDP shard group) and ``state_grad_on_host``;
-    veRL's FSDP2 settings: ``offload_policy`` (fp32 parameter and gradient shards and the optimizer step on
+    veRL's FSDP2 settings: ``offload_policy`` (parameter and gradient shards and the optimizer step on
     the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
-    ``reduce_dtype``, and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
-    (the replay batch's token budget); ``lora``: veRL's LoRA settings (the base frozen: gradients and AdamW moments
-    of the adapters only, the reference policy the actor with its adapters disabled)."""
+    ``reduce_dtype``, ``model_dtype`` (the dtype the model is loaded in: the sharded parameters', their gradients'
+    and moments'), and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
+    (the replay batch's token budget) and ``expert_parallel`` (the routed experts split over the CP group,
+    resident in ``model_dtype`` outside FSDP2: ``parallel.experts``); ``lora``: veRL's LoRA settings (the base
+    frozen: gradients and AdamW moments of the adapters only, the reference policy the actor with its adapters
+    disabled)."""
 
     prompt_len: int
     group_size: int
@@ -741,6 +844,11 @@ class Training:
     checkpointing: bool = True
     replay_tokens: int = REPLAY_TOKENS
     lora: Lora = Lora()
+    model_dtype: torch.dtype = torch.float32
+    expert_parallel: bool = False
+
+
+VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
 
 
 @dataclass(frozen=True)
@@ -748,7 +856,8 @@ class GpuTable:
     """Per-GPU memory of one training step on rank 0 of a CP group (the rank with the most rows), in bytes:
     ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
     ``preflight`` what the engine's pre-flight check compares with the device's free memory at the start of a
-    step: the group terms and the unsharded units (the resident shards are already outside the free memory)."""
+    step: the group terms, the unsharded units and, under expert parallelism, the expert shards' gradients (the
+    resident shards are already outside the free memory)."""
 
     rows: tuple[tuple[str, int, int], ...]
     peak: int
@@ -772,8 +881,9 @@ class GpuTable:
                      f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
                      f" | {gib(self.gpu_bytes)} | |")
         lines.append(f"| host memory per node ({self.gpus_per_node} ranks) | | {gib(self.host * self.gpus_per_node)} |")
-        lines.append(f"| engine pre-flight estimate: the group's rows and the unsharded units' rows above, compared "
-                     f"with the free device memory at the start of the step | {gib(self.preflight)} | |")
+        lines.append(f"| engine pre-flight estimate: the group's rows, the unsharded units' rows and any expert-shard "
+                     f"gradients above, compared with the free device memory at the start of the step | "
+                     f"{gib(self.preflight)} | |")
         return "\n".join(lines)
 
 
@@ -786,22 +896,27 @@ def gpu_table(
     params: ParameterCounts | None = None,
 ) -> GpuTable:
     """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2
-    sharding over the R ranks of a CP group (``parameter_counts``) and the group terms of ``estimate_memory``
-    (checkpointed when ``run.checkpointing``). ``adapter``/``params``: ``adapters.adapter_on_meta(config)`` and
-    ``parameter_counts(config)`` when already built. The unsharded-gradient row is an upper bound (two units'
-    gradients and their reduce-scatter copies at once). Not counted: the CUDA context, NCCL buffers,
-    allocator fragmentation and the no-grad capture's transients."""
+    sharding over the R ranks of a CP group (``parameter_counts``), under ``run.expert_parallel`` of the routed
+    experts' resident shards (``expert_shard_bytes``) and FSDP2 over the rest, and the group terms of
+    ``estimate_memory`` (checkpointed when ``run.checkpointing``). ``adapter``/``params``:
+    ``adapters.adapter_on_meta(config)`` and ``parameter_counts(config)`` when already built. The unsharded-gradient
+    row is an upper bound (two units' gradients and their reduce-scatter copies at once). Not counted: the CUDA
+    context, NCCL buffers, allocator fragmentation, the no-grad capture's transients and the optimizer step (AdamW
+    moments that ``optimizer_offload`` keeps on the host come back to the device for it)."""
     adapter = adapter if adapter is not None else adapter_on_meta(config)
-    n, r = params if params is not None else parameter_counts(config, run.lora), run.cp_size
-    fp32_shard = 4 * n.total // r
-    trained_shard = 4 * n.trainable.total // r
+    n, r, ep = params if params is not None else parameter_counts(config, run.lora), run.cp_size, run.expert_parallel
+    dtype, width = VERL_DTYPE_NAMES[run.model_dtype], run.model_dtype.itemsize
+    fsdp_total = n.total - (n.expert_total if ep else 0)  # what FSDP2 shards
+    shard = width * fsdp_total // r
+    trained_shard = width * (n.trainable.total - (n.trainable.expert_total if ep else 0)) // r
     lora = run.lora.rank > 0
-    pair = n.largest_pair
-    unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True)
+    pair = n.largest_pair_without_experts if ep else n.largest_pair
+    unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True, expert_parallel=ep)
+    experts = expert_shard_bytes(n, r, run.model_dtype) if ep else ExpertShardBytes(0, 0, 0)
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
                         run.param_dtype, adapter, r, run.state_grad_on_host, checkpointed=run.checkpointing,
-                        replay_tokens=run.replay_tokens)
-    preflight = e.total_bytes + unsharded + grads  # the engine's pre-flight figure (same functions)
+                        replay_tokens=run.replay_tokens, expert_parallel=ep)
+    preflight = e.total_bytes + unsharded + grads + experts.gradients  # the engine's pre-flight figure
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
         return (0, nbytes) if on_host else (nbytes, 0)
@@ -810,26 +925,46 @@ def gpu_table(
     replayed = (f"one {run.response_len}-token response" if e.replay_batch == 1
                 else f"a batch of {e.replay_batch} {run.response_len}-token responses")
     mode = "checkpointed" if run.checkpointing else "no checkpointing"
+    sharded = "N_FSDP" if ep else "N"
     if lora:
         training_rows = (
-            (f"fp32 gradient shards of the LoRA adapters: 4 B x N_LoRA / R (N_LoRA = {n.trainable.total / 1e6:.1f}e6, "
-             f"rank {run.lora.rank}; the base is frozen)", *where(run.offload_policy, trained_shard)),
-            ("AdamW moments of the LoRA adapters: 8 B x N_LoRA / R",
+            (f"{dtype} gradient shards of the LoRA adapters: {width} B x N_LoRA / R (N_LoRA = "
+             f"{n.trainable.total / 1e6:.1f}e6, rank {run.lora.rank}; the base is frozen)",
+             *where(run.offload_policy, trained_shard)),
+            (f"AdamW moments of the LoRA adapters: {2 * width} B x N_LoRA / R",
              *where(run.offload_policy or run.optimizer_offload, 2 * trained_shard)),
             ("reference policy: the actor with its LoRA adapters disabled (no copy)", 0, 0),
         )
     else:
         training_rows = (
-            ("fp32 gradient shards: 4 B x N / R", *where(run.offload_policy, fp32_shard)),
-            ("AdamW moments: 8 B x N / R", *where(run.offload_policy or run.optimizer_offload, 2 * fp32_shard)),
+            (f"{dtype} gradient shards: {width} B x {sharded} / R", *where(run.offload_policy, shard)),
+            (f"AdamW moments: {2 * width} B x {sharded} / R",
+             *where(run.offload_policy or run.optimizer_offload, 2 * shard)),
             ("reference model shards: 2 B x N / R (veRL keeps forward-only models on the host)", 0, 2 * n.total // r),
         )
+    if not ep:
+        expert_rows = ()
+        parameters = f"N = {n.total / 1e9:.2f}e9 parameters, R = {r}"
+    else:
+        parameters = (f"N = {n.total / 1e9:.2f}e9 parameters, of which N_E = {n.expert_total / 1e9:.2f}e9 in routed "
+                      f"experts outside FSDP2: N_FSDP = {fsdp_total / 1e9:.2f}e9, R = {r}")
+        resident = (f"routed-expert shards (expert parallelism): {width} B x N_E / R in {dtype}, resident (E / R "
+                    "experts of each MoE layer)")
+        if n.trainable.expert_total:
+            expert_rows = (
+                (resident, experts.parameters, 0),
+                (f"their gradients: {width} B x N_E / R (each the whole group's)", experts.gradients, 0),
+                (f"AdamW moments of the expert shards: {2 * width} B x N_E / R",
+                 *where(run.optimizer_offload, experts.moments)),
+            )
+        else:
+            expert_rows = ((resident + "; frozen: no gradients or moments", experts.parameters, 0),)
     rows = (
-        (f"fp32 parameter shards: 4 B x N / R (N = {n.total / 1e9:.2f}e9 parameters, R = {r})",
-         *where(run.offload_policy, fp32_shard)),
+        (f"{dtype} parameter shards: {width} B x {sharded} / R ({parameters})", *where(run.offload_policy, shard)),
         *training_rows,
-        (f"unsharded parameters: two consecutive FSDP units ({pair / 1e9:.2f}e9 parameters) in "
-         f"{str(run.param_dtype)[6:]}", unsharded, 0),
+        *expert_rows,
+        (f"unsharded parameters: two consecutive FSDP units{' less their routed experts' if ep else ''} "
+         f"({pair / 1e9:.2f}e9 parameters) in {str(run.param_dtype)[6:]}", unsharded, 0),
         (f"their unsharded gradients ({str(run.param_dtype)[6:]}, reduce-scattered in {str(run.reduce_dtype)[6:]})",
          grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
@@ -841,7 +976,9 @@ def gpu_table(
             ", and the one whose copy to the host is in flight" if run.state_grad_on_host else ""),
          e.state_leaf_grad_bytes + e.in_flight_bytes, 0),
         ("largest transient: one attention layer's fused backward (key blocks, GQA expansion, float32 dq), "
-         "pass-Q's float32 scores of one key block, or a scoring row chunk", e.transient_bytes, 0),
+         "pass-Q's float32 scores of one key block, " + (
+             f"a scoring row chunk, or an MoE layer's all-to-all of {e.layer_call_tokens} tokens (send and receive: "
+             f"{e.all_to_all_bytes / GIB:.2f})" if ep else "or a scoring row chunk"), e.transient_bytes, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
          e.replay_saved_bytes, 0),

@@ -5,16 +5,19 @@ checks that they still are.
     python recipes/clusters/memory_table.py qwen35_27b_1m            # the recipe's per-GPU table
     python recipes/clusters/memory_table.py --sweep qwen35_27b_4m    # the same step under other knobs
     python recipes/clusters/memory_table.py --model GLM-5.2 glm5_mla_multinode   # the step with other dims
+    python recipes/clusters/memory_table.py --gpu-gb 141 glm52_ep_lora   # on GPUs of another size
     python recipes/clusters/memory_table.py --write                  # rewrite the README blocks
 
 A README block is the output of the command in its opening comment, up to ``<!-- end -->``:
-``<!-- python recipes/clusters/memory_table.py [--sweep] [--model MODEL] NAME -->``.
+``<!-- python recipes/clusters/memory_table.py [--sweep] [--model MODEL] [--gpu-gb GB] NAME -->``.
 
 Each overlay is composed on ``longstraw_grpo`` (as its launch.sh applies it) and the table reads the
-composed config: prompt/response lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s
-offload and mixed precision, gradient checkpointing, GPUs per node. A recipe does not name the model's
-dimensions (the model path is the user's), so ``MODELS`` names each recipe's model, whose dims ``CONFIGS`` states
-(``--model`` puts another's in its place); ``GPU_BYTES`` the GPU's memory.
+composed config: prompt/response lengths, ``rollout.n``, ``actor.longstraw.*`` (``expert_parallel`` included),
+``fsdp_config``'s offload, model dtype and mixed precision, gradient checkpointing, GPUs per node. A recipe does not
+name the model's dimensions (the model path is the user's), so ``MODELS`` names each recipe's model, whose dims
+``CONFIGS`` states (``--model`` puts another's in its place); ``GPU_BYTES`` the GPU's memory (``--gpu-gb`` another).
+A sweep of a model with routed experts has two sets of columns: FSDP2 alone, and expert parallelism over the CP group
+(``Training.expert_parallel``), whatever the recipe sets.
 Memory is in GiB (2^30 bytes); GPU sizes are vendors' GB (10^9 bytes).
 """
 
@@ -34,7 +37,7 @@ from omegaconf import DictConfig
 
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.configs import config_dir
-from verl_longstraw.estimate import GIB, GpuTable, Lora, Training, gpu_table, parameter_counts
+from verl_longstraw.estimate import GIB, VERL_DTYPE_NAMES, GpuTable, Lora, Training, gpu_table, parameter_counts
 
 CLUSTERS = Path(__file__).resolve().parent
 BLOCK = re.compile(  # a README block: the opening comment names the command, the body (no comments) its output
@@ -42,7 +45,7 @@ BLOCK = re.compile(  # a README block: the opening comment names the command, th
     r"(?P<tail><!-- end -->)",
     re.S,
 )
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: dtype for dtype, name in VERL_DTYPE_NAMES.items()}  # veRL's spelling: the dtype
 
 
 def qwen35_27b() -> transformers.PretrainedConfig:
@@ -75,16 +78,44 @@ def glm5_2() -> transformers.PretrainedConfig:
     return glm5(index_topk_freq=4)
 
 
+def qwen35_moe(**fields: object) -> transformers.PretrainedConfig:
+    """A Qwen3.5 MoE text model (transformers' Qwen3_5MoeTextConfig, whose defaults are Qwen3.5-35B-A3B's) with the
+    dims ASSUMED here for the larger ones (no public config of them is in the installed transformers; not read from a
+    checkpoint): every 4th layer full attention (32 query heads, 2 KV heads of 256), the rest Gated DeltaNet (16 key
+    heads, 64 value heads of 128, conv kernel 4), routed experts and one shared expert of 1024, vocabulary 248320,
+    untied embeddings; ``fields`` the size."""
+    return transformers.Qwen3_5MoeTextConfig(
+        vocab_size=248320, num_attention_heads=32, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        moe_intermediate_size=1024, shared_expert_intermediate_size=1024, max_position_embeddings=1 << 23,
+        tie_word_embeddings=False, **fields,
+    )
+
+
+def qwen35_397b() -> transformers.PretrainedConfig:
+    """Qwen3.5-397B-A17B, ASSUMED (``qwen35_moe``): 60 layers, hidden 4096, 512 routed experts, top 10 (396.35e9
+    parameters on the meta device: the name's total)."""
+    return qwen35_moe(hidden_size=4096, num_hidden_layers=60, num_experts=512, num_experts_per_tok=10)
+
+
+def qwen35_122b() -> transformers.PretrainedConfig:
+    """Qwen3.5-122B-A10B, ASSUMED (``qwen35_moe``): 48 layers, hidden 3072, 256 routed experts, top 8 (122.11e9
+    parameters on the meta device: the name's total)."""
+    return qwen35_moe(hidden_size=3072, num_hidden_layers=48, num_experts=256, num_experts_per_tok=8)
+
+
 CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {  # a model's name: its dims
-    "Qwen3.5-27B": qwen35_27b, "GLM-5": glm5, "GLM-5.2": glm5_2,
+    "Qwen3.5-27B": qwen35_27b, "GLM-5": glm5, "GLM-5.2": glm5_2, "Qwen3.5-397B-A17B": qwen35_397b,
+    "Qwen3.5-122B-A10B": qwen35_122b,
 }
 MODELS = {  # each recipe's model (a CONFIGS name)
     "qwen35_27b_1m": "Qwen3.5-27B", "qwen35_27b_4m": "Qwen3.5-27B", "qwen35_27b_1m_lora": "Qwen3.5-27B",
-    "glm5_mla_multinode": "GLM-5", "glm5_lora": "GLM-5",
+    "glm5_mla_multinode": "GLM-5", "glm5_lora": "GLM-5", "glm52_ep_lora": "GLM-5.2",
+    "qwen35_397b_ep_lora": "Qwen3.5-397B-A17B", "qwen35_122b_ep": "Qwen3.5-122B-A10B",
 }
-GPU_BYTES = {  # 96 GB; H200 141 GB
+GPU_BYTES = {  # 96 GB (H20); H200 141 GB
     "qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "qwen35_27b_1m_lora": 96e9, "glm5_mla_multinode": 141e9,
-    "glm5_lora": 141e9,
+    "glm5_lora": 141e9, "glm52_ep_lora": 96e9, "qwen35_397b_ep_lora": 96e9, "qwen35_122b_ep": 96e9,
 }
 SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fields), per recipe
     "qwen35_27b_1m": [
@@ -112,6 +143,20 @@ SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fie
         {"cp_size": 8, "chunk_size": 65536},  # the full-parameter recipe's layout: four 8-rank CP groups
         {"offload_policy": False, "optimizer_offload": False},
     ],
+    "glm52_ep_lora": [
+        *({"chunk_size": c} for c in (32768, 131072)),
+        {"replay_tokens": 1},
+        {"model_dtype": torch.float32},  # the experts resident in fp32
+    ],
+    "qwen35_397b_ep_lora": [
+        *({"chunk_size": c} for c in (32768, 131072)),
+        {"model_dtype": torch.float32},
+    ],
+    "qwen35_122b_ep": [
+        *({"chunk_size": c} for c in (32768, 131072)),
+        {"optimizer_offload": False},
+        {"model_dtype": torch.bfloat16},  # bf16 weights, gradients and moments, no fp32 master copy
+    ],
 }
 
 
@@ -128,12 +173,12 @@ def _parameters(model: str, lora: Lora):
     return parameter_counts(_model(model)[0], lora)
 
 
-def memory(name: str, cfg: DictConfig, model: str, **change) -> GpuTable:
-    """The per-GPU memory of recipe ``name`` (composed: ``cfg``) on ``model``'s dims (a CONFIGS name), with
-    ``change`` to its Training knobs."""
+def memory(name: str, cfg: DictConfig, model: str, gpu_bytes: float | None = None, **change) -> GpuTable:
+    """The per-GPU memory of recipe ``name`` (composed: ``cfg``) on ``model``'s dims (a CONFIGS name) and GPUs of
+    ``gpu_bytes`` (the recipe's, GPU_BYTES, by default), with ``change`` to its Training knobs."""
     config, adapter = _model(model)
     run = dataclasses.replace(training(cfg), **change)
-    return gpu_table(config, run, int(GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter,
+    return gpu_table(config, run, int(gpu_bytes or GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter,
                      _parameters(model, run.lora))
 
 
@@ -154,7 +199,8 @@ def training(cfg: DictConfig) -> Training:
         offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
         param_dtype=DTYPES[fsdp.mixed_precision.param_dtype], reduce_dtype=DTYPES[fsdp.mixed_precision.reduce_dtype],
         checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
-        lora=lora(cfg.actor_rollout_ref.model),
+        lora=lora(cfg.actor_rollout_ref.model), model_dtype=DTYPES[fsdp.model_dtype],
+        expert_parallel=knobs.get("expert_parallel", False),
     )
 
 
@@ -171,28 +217,45 @@ def describe(run: Training) -> str:
             f"{run.state_grad_on_host}, offload_policy {run.offload_policy}, optimizer_offload "
             f"{run.optimizer_offload}, {str(run.param_dtype)[6:]} params / {str(run.reduce_dtype)[6:]} reduce, "
             f"gradient checkpointing {run.checkpointing}"
-            + (f", LoRA rank {run.lora.rank} on {run.lora.target_modules}" if run.lora.rank else ""))
+            + (f", LoRA rank {run.lora.rank} on {run.lora.target_modules}" if run.lora.rank else "")
+            + (f", {VERL_DTYPE_NAMES[run.model_dtype]} model" if run.model_dtype != torch.float32 else "")
+            + (", expert parallelism over the CP group" if run.expert_parallel else ""))
 
 
-def table(name: str, model: str | None = None) -> str:
-    """The recipe's per-GPU table (markdown) on ``model``'s dims (the recipe's model, MODELS, by default), headed
-    by the model and the knobs it was computed for."""
+def table(name: str, model: str | None = None, gpu_gb: float | None = None) -> str:
+    """The recipe's per-GPU table (markdown) on ``model``'s dims (the recipe's model, MODELS, by default) and GPUs
+    of ``gpu_gb`` GB (the recipe's by default), headed by the model and the knobs it was computed for."""
     cfg, model = compose_recipe(name), model or MODELS[name]
-    nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {GPU_BYTES[name] / 1e9:g} GB"
-    return f"{model} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg, model).markdown()}"
+    gpu_bytes = gpu_gb * 1e9 if gpu_gb else GPU_BYTES[name]
+    nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {gpu_bytes / 1e9:g} GB"
+    return f"{model} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg, model, gpu_bytes).markdown()}"
 
 
-def sweep(name: str, model: str | None = None) -> str:
-    """The recipe's step on ``model``'s dims (as ``table``) under the knobs of ``SWEEPS[name]``: device peak and
-    host per rank (markdown)."""
+def sweep(name: str, model: str | None = None, gpu_gb: float | None = None) -> str:
+    """The recipe's step on ``model``'s dims and GPUs (as ``table``) under the knobs of ``SWEEPS[name]``: device peak
+    and host per rank (markdown); for a model with routed experts both under FSDP2 alone and under expert
+    parallelism over the CP group (n/a with one rank per group)."""
     cfg, model = compose_recipe(name), model or MODELS[name]
+    gpu_bytes = gpu_gb * 1e9 if gpu_gb else None
+    layouts = [False, True] if _parameters(model, Lora()).expert_total else [None]  # None: the recipe's
+
+    def columns(change: dict, expert_parallel: bool | None) -> str:
+        if expert_parallel is None:
+            m = memory(name, cfg, model, gpu_bytes, **change)
+        elif expert_parallel and change.get("cp_size", training(cfg).cp_size) < 2:
+            return "n/a | n/a | n/a"
+        else:
+            m = memory(name, cfg, model, gpu_bytes, **change, expert_parallel=expert_parallel)
+        return f"{m.peak / GIB:.2f} | {m.host / GIB:.2f} | {'yes' if m.peak <= m.gpu_bytes else 'no'}"
+
+    header = "device peak GiB | host GiB per rank | fits"
+    heads = [header] if layouts == [None] else [f"FSDP2 alone: {header}", f"expert parallelism over the CP group: "
+                                                                          f"{header}"]
     lines = [f"{model} ({name}), changed from the recipe's knobs:", "",
-             "| knobs | device peak GiB | host GiB per rank | fits |", "|---|---:|---:|---|"]
+             f"| knobs | {' | '.join(heads)} |", "|---|" + "---:|---:|---|" * len(heads)]
     for change in [{}, *SWEEPS[name]]:
-        m = memory(name, cfg, model, **change)
         knobs = ", ".join(f"{k}={v}" for k, v in change.items()) or "(the recipe)"
-        fits = "yes" if m.peak <= m.gpu_bytes else "no"
-        lines.append(f"| {knobs} | {m.peak / GIB:.2f} | {m.host / GIB:.2f} | {fits} |")
+        lines.append(f"| {knobs} | {' | '.join(columns(change, layout) for layout in layouts)} |")
     return "\n".join(lines)
 
 
@@ -202,13 +265,14 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("recipes", nargs="*", default=sorted(MODELS), help="recipe overlay names (all by default)")
     parser.add_argument("--sweep", action="store_true", help="the step under other knobs instead of the table")
     parser.add_argument("--model", choices=sorted(CONFIGS), help="these dims instead of each recipe's model")
+    parser.add_argument("--gpu-gb", type=float, help="GPUs of this many GB instead of each recipe's")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks of recipes/clusters/*/README.md")
     return parser
 
 
 def output(args: argparse.Namespace) -> str:
     """What the command line ``args`` prints: each recipe's table, or sweep with ``--sweep``."""
-    return "\n\n".join((sweep if args.sweep else table)(name, args.model) for name in args.recipes)
+    return "\n\n".join((sweep if args.sweep else table)(name, args.model, args.gpu_gb) for name in args.recipes)
 
 
 def rendered(args: str) -> str:

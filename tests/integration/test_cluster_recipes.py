@@ -38,7 +38,14 @@ CLUSTER_RECIPES = {
     "glm5_mla_multinode": ("glm5_mla_multinode", 4, 2**21, 8192, 8, 8),
     "qwen35_27b_1m_lora": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),  # LoRA variants
     "glm5_lora": ("glm5_mla_multinode", 4, 2**21, 8192, 32, -1),
+    # expert parallelism over the CP group (EP = CP)
+    "glm52_ep_lora": ("glm52_ep", 4, 2**21, 8192, 32, -1),
+    "qwen35_397b_ep_lora": ("qwen35_moe_ep", 2, 2**21, 8192, 16, -1),
+    "qwen35_122b_ep": ("qwen35_moe_ep", 2, 2**21, 8192, 16, -1),
 }
+EXPERT_PARALLEL = {"glm52_ep_lora", "qwen35_397b_ep_lora", "qwen35_122b_ep"}
+# the trainer's shards on the GPU (no FSDP2 CPUOffloadPolicy): no full-model gradients or moments to offload
+ON_GPU = {"qwen35_27b_1m_lora", "glm52_ep_lora", "qwen35_397b_ep_lora"}
 
 
 def _compose(overrides, config_dir_=None):
@@ -72,6 +79,7 @@ def test_cluster_recipe_composes_and_validates(name):
     assert rollout.max_model_len == prompt + response
     knobs = actor.longstraw
     assert (knobs.prompt_grad, knobs.context_parallel_size, knobs.state_grad_on_host) == ("exact", cp_size, True)
+    assert knobs.get("expert_parallel", False) == (name in EXPERT_PARALLEL)  # EP = CP: the CP group's size
     assert prompt % knobs.chunk_size == 0 and knobs.chunk_size % cp_size == 0  # whole chunks, equal slices
     assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing  # the README tables count it
     # context parallelism: the FSDP shard group is the CP group (actor and the reference policy, which
@@ -97,8 +105,9 @@ def test_cluster_recipe_composes_and_validates(name):
     assert actor_dc.longstraw.preflight and actor_dc.longstraw.memory_budget_gb is None
     lora = cfg.actor_rollout_ref.model.lora_rank
     assert (lora > 0) == name.endswith("_lora")  # the LoRA variants: veRL builds a peft model
-    on_gpu = name == "qwen35_27b_1m_lora"  # no full-model gradients or moments: the base's fp32 shards fit the GPU
-    assert actor_dc.engine.offload_policy != on_gpu and actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
+    assert actor_dc.engine.offload_policy != (name in ON_GPU)
+    assert actor_dc.engine.mixed_precision["reduce_dtype"] == "fp32"
+    assert actor_dc.longstraw.expert_parallel == (name in EXPERT_PARALLEL)
     rollout_dc = omega_conf_to_dataclass(rollout)
     assert rollout_dc.prompt_length == prompt and rollout_dc.response_length == response
 
@@ -222,8 +231,9 @@ def _memory_table():
 
 def test_readme_memory_tables_match_the_estimate():
     """Every table block in recipes/clusters/*/README.md is what memory_table.py prints now (from
-    verl_longstraw.estimate), character for character; every cluster recipe has its table, and the GLM-5 recipe
-    one on GLM-5.2's dims (the DSA indexer on 21 of 78 layers)."""
+    verl_longstraw.estimate), character for character; every cluster recipe has its table, the GLM-5 recipe
+    one on GLM-5.2's dims (the DSA indexer on 21 of 78 layers), GLM-5.2's and Qwen3.5-122B's EP recipes one on
+    141 GB GPUs too."""
     memory_table = _memory_table()
     assert set(memory_table.MODELS) == set(memory_table.GPU_BYTES) == set(memory_table.SWEEPS) == set(CLUSTER_RECIPES)
     tabled = set()
@@ -238,7 +248,7 @@ def test_readme_memory_tables_match_the_estimate():
             tabled.add(block["args"])
         assert memory_table.rewrite(text) == text
     assert tabled == {f"{flag}{name}" for name in CLUSTER_RECIPES for flag in ("", "--sweep ")} | {
-        "--model GLM-5.2 glm5_mla_multinode"}
+        "--model GLM-5.2 glm5_mla_multinode", "--gpu-gb 141 glm52_ep_lora", "--gpu-gb 141 qwen35_122b_ep"}
     layout = memory_table.glm5_2().indexer_types  # GLM-5.2's table is on its layout
     assert (layout.count("full"), len(layout)) == (21, 78)
 

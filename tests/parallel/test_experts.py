@@ -183,7 +183,7 @@ def _traced_bytes(model, seed: int) -> tuple[int, int]:
     pairs = []
     hooks = [module.register_forward_pre_hook(lambda m, args: pairs.append(args[1].numel() * args[0].shape[-1]
                                                                            * args[0].element_size()))
-             for _, module in ep._dispatched(model, ep.expert_plan(model))]
+             for _, module in ep.dispatched_experts(model)]
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(seed))
     with ep.trace_all_to_all() as sent:
         model(input_ids=ids).logits.sum().backward()
@@ -248,6 +248,5 @@ def test_families_without_a_transformers_plan_have_the_adapters():
     for family, moe_layers in (("nemotron_h", 1), ("granitemoehybrid", 3)):
         model = tiny_model(family)
         assert not model.ep_plan
-        plan = ep.expert_plan(model)
-        dispatched = ep._dispatched(model, plan)
+        dispatched = ep.dispatched_experts(model)
         assert len(dispatched) == moe_layers and all(name.endswith(".experts") for name, _ in dispatched), dispatched

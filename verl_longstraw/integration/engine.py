@@ -80,6 +80,7 @@ from verl_longstraw.estimate import (
     check_budget,
     count_units,
     estimate_plan,
+    expert_shard_bytes,
     unsharded_bytes,
 )
 from verl_longstraw.parallel import comm, experts
@@ -152,14 +153,13 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         parameters' over the group."""
         if not self.longstraw.expert_parallel:
             return super()._build_fsdp_module(module)
-        model = module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the HF model
-        experts.check_expert_parallel(model, self.cp_size)  # LoRA on the experts: refused before any collective
-        weights = experts.expert_weights(model) if dist.get_rank() == 0 else None
-        with experts.experts_set_aside(model):
+        experts.check_expert_parallel(module, self.cp_size)  # LoRA on the experts: refused before any collective
+        weights = experts.expert_weights(module) if dist.get_rank() == 0 else None
+        with experts.experts_set_aside(module):
             module = super()._build_fsdp_module(module)
-        experts.apply_expert_parallel(model, self.device_mesh)
-        experts.broadcast_expert_weights(model, weights)
-        for param in experts.expert_parameters(model):
+        experts.apply_expert_parallel(module, self.device_mesh)
+        experts.broadcast_expert_weights(module, weights)
+        for param in experts.expert_parameters(module):
             if param.requires_grad:  # frozen under LoRA
                 param.register_hook(functools.partial(torch.div, other=self.cp_size))
         return module
@@ -282,6 +282,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         """Parameters per FSDP2 unit (fixed once the model is built)."""
         return count_units(self.module)
 
+    @functools.cached_property
+    def _expert_dtype(self) -> torch.dtype:
+        """The dtype of the expert-parallel experts' shards and gradients (the model's: outside FSDP2's mixed
+        precision)."""
+        return next(iter(experts.expert_parameters(self.module))).dtype
+
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
@@ -292,9 +298,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
         rank learns every rank's verdict, so all raise together."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
+        expert_parallel = self.longstraw.expert_parallel
         params, grads = unsharded_bytes(self._unit_counts, self.cp_size, self._compute_dtype(), reduce_dtype,
-                                        training=not forward_only)
+                                        training=not forward_only, expert_parallel=expert_parallel)
         model_bytes = params + grads
+        if expert_parallel and not forward_only:  # the expert shards' gradients (the shards are resident)
+            model_bytes += expert_shard_bytes(self._unit_counts, self.cp_size, self._expert_dtype).gradients
         adapter = adapter_for(self.module)
         estimates = [(unit, self._estimate(adapter, unit, forward_only)) for mb in units for unit in mb]
         unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
@@ -334,7 +343,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             adapter.config, self._unit_plan(unit), "detached" if forward_only else self.longstraw.prompt_grad,
             self._compute_dtype(), adapter=adapter, state_grad_on_host=self.longstraw.state_grad_on_host,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
-            device_type=get_device_name(),
+            device_type=get_device_name(), expert_parallel=self.longstraw.expert_parallel,
         )
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, units: list[Unit]):

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..adapters import adapter_for
+from ..adapters.lora import base_model
 from ..errors import UnsupportedModelError
 
 MIN_TRANSFORMERS = Version("5.19.0")  # the first release with the ep_dispatch_experts plan
@@ -54,7 +55,9 @@ def _transformers_expert_parallelism():
 def expert_plan(model: nn.Module) -> dict[str, str]:
     """``model``'s expert-parallel plan, full module and parameter names (``*`` for a layer number) to
     transformers' styles: its ``ep_plan`` (the config's ``base_model_ep_plan``), else its adapter's ``expert_plan``
-    under the base model's name; UnsupportedModelError naming the family when neither exists."""
+    under the base model's name; UnsupportedModelError naming the family when neither exists. Names are relative
+    to the transformers model (a peft model's base model)."""
+    model = base_model(model)
     plan = dict(getattr(model, "ep_plan", None) or {})
     if not plan:
         own = adapter_for(model).expert_plan
@@ -74,9 +77,17 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _dispatched(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every experts module the plan dispatches to."""
+    """(name, module) of every experts module of ``model`` (a transformers model) the plan dispatches to."""
     patterns = [name for name, style in plan.items() if style == DISPATCH]
     return [(name, module) for name, module in model.named_modules() if any(_matches(p, name) for p in patterns)]
+
+
+def dispatched_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every routed-experts module of ``model`` (a peft model: its base model's; names relative
+    to it) that its expert plan dispatches to, one per MoE layer in layer order: what expert parallelism splits
+    over the CP group and keeps out of FSDP2. UnsupportedModelError for a model without a plan."""
+    model = base_model(model)
+    return _dispatched(model, expert_plan(model))
 
 
 def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
@@ -90,6 +101,7 @@ def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
             "expert_parallel needs context_parallel_size > 1: the experts are split over the CP group, whose ranks "
             "call every MoE layer in lockstep (with context_parallel_size 1 the ranks run different groups and the "
             "all-to-all would hang); set context_parallel_size >= 2 or expert_parallel: false")
+    model = base_model(model)
     plan = expert_plan(model)
     experts = _dispatched(model, plan)
     if not experts:
@@ -124,6 +136,7 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | dist.ProcessGrou
     filled by ``broadcast_expert_weights`` (which replaces those parameters: read ``expert_parameters``
     after it)."""
     apply_expert_parallelism = _transformers_expert_parallelism()
+    model = base_model(model)
     if isinstance(group, DeviceMesh):
         mesh = group
     else:
@@ -137,7 +150,7 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | dist.ProcessGrou
 def expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The routed-expert parameters of ``model`` before ``apply_expert_parallel``, by full name (detached, the
     same storage): what ``broadcast_expert_weights`` sends from the rank that holds the loaded weights."""
-    return {f"{name}.{p_name}": p.detach() for name, module in _dispatched(model, expert_plan(model))
+    return {f"{name}.{p_name}": p.detach() for name, module in dispatched_experts(model)
             for p_name, p in module.named_parameters()}
 
 
@@ -147,7 +160,7 @@ def broadcast_expert_weights(model: nn.Module, weights: dict[str, torch.Tensor] 
     of the rank ``src`` of the default group (``expert_weights``; None on every other rank): one shard's rows at a
     time are broadcast to every rank, and the ranks whose shard it is copy it (a transient of one shard). A shard
     on the meta device is made first, on its mesh's device. Every rank of the default group calls it."""
-    for name, module in _dispatched(model, expert_plan(model)):
+    for name, module in dispatched_experts(model):
         for p_name, param in list(module.named_parameters()):
             local = param.to_local()
             if local.is_meta:
@@ -177,9 +190,9 @@ def experts_set_aside(model: nn.Module) -> Iterator[None]:
     block, an empty module in each place, then put them back where they were: what wraps the rest with FSDP2 and
     loads its weights (veRL's ``_build_fsdp_module``) never sees them."""
     taken = []
-    for name, module in _dispatched(model, expert_plan(model)):
+    for name, module in dispatched_experts(model):
         parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
+        parent = base_model(model).get_submodule(parent_name)
         taken.append((parent, attribute, module))
         parent._modules[attribute] = nn.Module()  # keeps its place in the parent's order
     try:
@@ -219,5 +232,5 @@ def trace_all_to_all() -> Iterator[list[int]]:
 def expert_parameters(model: nn.Module) -> frozenset[nn.Parameter]:
     """The routed-expert parameters ``apply_expert_parallel`` sharded over the CP group (DTensors ``Shard(0)``):
     their gradients are already the whole group's."""
-    return frozenset(p for _, module in _dispatched(model, expert_plan(model)) for p in module.parameters()
+    return frozenset(p for _, module in dispatched_experts(model) for p in module.parameters()
                      if isinstance(p, DTensor))
