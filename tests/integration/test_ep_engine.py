@@ -12,6 +12,7 @@ ranks under a hard timeout, tiny random-init MoE models loaded by veRL's own mod
 - LoRA on the dense layers, the EP experts frozen: the LoRA parameters after the step and the LoRA weights exported
   to the rollout equal the stock engine's, every base parameter (experts included) unchanged;
 - a checkpoint saved by veRL's checkpoint manager and loaded into a fresh engine restores every parameter;
+- with veRL's parameter and optimizer offload on, the same parameters after the step;
 - refusals on every rank before any collective: experts not divisible by R, a family without a plan, a
   transformers older than the plan (spawned, hard timeouts); expert_parallel with context_parallel_size 1 at config
   time.
@@ -104,6 +105,22 @@ def _run_lora(strategy: str, model_dir: str, rank: int, world: int, **knobs) -> 
     return {"before": before, "params": params, "exported": _exported(engine)}
 
 
+def _run_offloaded(model_dir: str, rank: int, world: int) -> dict:
+    """The EP engine with veRL's parameter and optimizer offload (its train/eval contexts move the model and the
+    optimizer state, expert DTensors included, to the host and back around each call; on the CPU platform the
+    move is a copy in place): its parameters after one step."""
+    from verl_longstraw.integration import testing
+
+    mbs = 6
+    cfg = testing.actor_config("longstraw", "token-mean", True, 0.01, mbs, **KNOBS)
+    cfg.engine.param_offload = True
+    object.__setattr__(cfg.engine, "optimizer_offload", True)  # not among veRL's mutable engine fields
+    engine = testing.make_engine("longstraw", model_dir, cfg, mbs)
+    testing.infer(engine, _batch(0, 1), mbs)
+    _, params, _ = testing.train_step(engine, _batch(0, 1), cfg, mbs)
+    return {"params": params}
+
+
 def _worker(rank: int, world: int, model_dirs: dict[str, str], checkpoint_root: str) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     results = {}
@@ -111,6 +128,7 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], checkpoint_root: 
         results[family, "fsdp2"] = _run("fsdp2", model_dirs[family], rank, world)
         results[family, "longstraw"] = _run("longstraw", model_dirs[family], rank, world,
                                             checkpoint_dir=os.path.join(checkpoint_root, family), **KNOBS)
+    results["offload", "longstraw"] = _run_offloaded(model_dirs[FAMILIES[0]], rank, world)
     results["lora", "fsdp2"] = _run_lora("fsdp2", model_dirs[FAMILIES[0]], rank, world)
     results["lora", "longstraw"] = _run_lora("longstraw", model_dirs[FAMILIES[0]], rank, world, **KNOBS)
     return results
@@ -152,6 +170,8 @@ def test_expert_parallel_engine_matches_fsdp2(results):
             assert testing.rel_diff(result["exported"], stock[0]["exported"]) < 1e-5, (family, rank)
             assert all(torch.equal(result["loaded"][n], result["params"][n]) for n in result["params"]), family
             assert result["ep_bytes"] > 0
+    for rank, result in enumerate(r["offload", "longstraw"] for r in results):
+        assert testing.rel_diff(result["params"], results[0][FAMILIES[0], "fsdp2"]["params"]) < 1e-5, rank
     stock = results[0]["lora", "fsdp2"]
     for rank, result in enumerate(r["lora", "longstraw"] for r in results):
         lora = [n for n in result["params"] if ".lora_" in n]
@@ -237,3 +257,16 @@ def test_expert_parallel_needs_context_parallelism():
     with pytest.raises(ValueError, match=r"expert_parallel=true needs .*context_parallel_size >= 2"):
         LongStrawConfig(expert_parallel=True)
     assert LongStrawConfig(expert_parallel=True, context_parallel_size=2).expert_parallel
+
+
+def test_only_what_a_step_adds_to_an_expert_gradient_is_divided():
+    """A gradient accumulated over two calls: the first call's share stays, the second's is divided by R."""
+    from types import SimpleNamespace
+
+    from verl_longstraw.integration.engine import LongStrawEngine
+
+    fresh, accumulated = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    fresh.grad, accumulated.grad = torch.full((3,), 4.0), torch.full((3,), 1.0 + 4.0)  # after this call's backward
+    LongStrawEngine._unscale_expert_gradients(SimpleNamespace(cp_size=2), {fresh: None,
+                                                                          accumulated: torch.full((3,), 1.0)})
+    assert torch.equal(fresh.grad, torch.full((3,), 2.0)) and torch.equal(accumulated.grad, torch.full((3,), 3.0))

@@ -37,8 +37,8 @@ same); veRL's loss already carries the data-parallel factor that the replica ave
 With `longstraw.expert_parallel` each MoE layer's routed experts are split over the CP group instead
 (`verl_longstraw.parallel.experts`, transformers' plan): E / R resident per rank outside FSDP2, the tokens
 routed to another rank's experts exchanged by all-to-all in the CP walk's lockstep. An expert's gradient
-arrives as the group's sum, so it is divided by R as it arrives (`_build_fsdp_module`); replicas average it
-with the rest.
+arrives as the group's sum, so what a step adds to it is divided by R (`_unscale_expert_gradients`); replicas
+average it with the rest.
 
 Before the first capture of a step, a pre-flight check compares the estimate of the step's largest
 unit (`verl_longstraw.estimate.estimate_plan` of its plan) with `longstraw.memory_budget_gb` or the device's free
@@ -148,9 +148,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _build_fsdp_module(self, module):
         """veRL's FSDP2 wrapping and weight loading; with ``longstraw.expert_parallel`` the routed experts are set
         aside while veRL wraps and loads the rest, then split over the CP mesh (FSDP2's mesh) and filled from rank
-        0's loaded weights (``parallel.experts``). Their gradients are divided by R as they arrive: each is already
-        the whole CP group's sum of losses the engine scaled by R (``_scale_loss``), where FSDP2 averages the dense
-        parameters' over the group."""
+        0's loaded weights (``parallel.experts``; their gradients: ``_unscale_expert_gradients``)."""
         if not self.longstraw.expert_parallel:
             return super()._build_fsdp_module(module)
         experts.check_expert_parallel(module, self.cp_size)  # LoRA on the experts: refused before any collective
@@ -159,10 +157,28 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             module = super()._build_fsdp_module(module)
         experts.apply_expert_parallel(module, self.device_mesh)
         experts.broadcast_expert_weights(module, weights)
-        for param in experts.expert_parameters(module):
-            if param.requires_grad:  # frozen under LoRA
-                param.register_hook(functools.partial(torch.div, other=self.cp_size))
         return module
+
+    def _expert_gradients(self) -> dict[torch.nn.Parameter, Optional[torch.Tensor]]:
+        """Each expert-parallel parameter that trains with a copy of its gradient so far (None: none yet, as after
+        veRL's zero_grad); empty without expert parallelism."""
+        if not self.longstraw.expert_parallel:
+            return {}
+        return {p: None if p.grad is None else p.grad.detach().clone()
+                for p in experts.expert_parameters(self.module) if p.requires_grad}
+
+    def _unscale_expert_gradients(self, before: dict[torch.nn.Parameter, Optional[torch.Tensor]]) -> None:
+        """Divide by R what this call's backward added to each expert gradient (``before``: ``_expert_gradients``
+        at the call's start). An expert's gradient arrives as the whole CP group's sum of the losses the engine
+        scaled by R (``_scale_loss``), where FSDP2 averages the dense parameters' over the group. (Not a tensor hook:
+        veRL's parameter offload moves the parameters and the hooks do not survive it.)"""
+        for param, earlier in before.items():
+            if param.grad is None:
+                continue
+            if earlier is None:
+                param.grad.div_(self.cp_size)
+            else:
+                param.grad.sub_(earlier).div_(self.cp_size).add_(earlier)
 
     def get_data_parallel_rank(self):
         return super().get_data_parallel_rank() if self.cp_mesh is None else self.cp_mesh["dp"].get_local_rank()
@@ -225,9 +241,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                         sync_gradients(self.module, self._device, self._compute_dtype())
                 outputs.append(output)
         else:
+            expert_gradients = {} if forward_only else self._expert_gradients()
             for idx, micro_batch in enumerate(micro_batches):
                 with torch.profiler.record_function(f"micro_batch{idx}"):
                     outputs.append(self.forward_step(micro_batch, loss_function, forward_only, units[idx])[1])
+            self._unscale_expert_gradients(expert_gradients)
             if not forward_only and self.get_data_parallel_size() > 1:
                 average_over_replicas(self.module, self.get_data_parallel_group())
         for output, tokens in zip(outputs, star_tokens, strict=True):
@@ -470,7 +488,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss each rank backpropagates: through the gradient scaler if any, times R under context
         parallelism (every rank of a CP group backpropagates its own part; see the module docstring). Expert-parallel
-        experts divide their gradients by R back (``_build_fsdp_module``)."""
+        experts' gradients are divided by R back (``_unscale_expert_gradients``)."""
         scaler = getattr(self, "scaler", None)
         scaled = scaler.scale(loss) if scaler is not None else loss
         return scaled * self.cp_size if self.cp_size > 1 else scaled
