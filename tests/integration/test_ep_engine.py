@@ -209,6 +209,33 @@ def test_the_rollout_receives_the_trained_weights(results, saved_models, tmp_pat
     assert errors["after"] < 1e-4 and errors["before"] > 100 * errors["after"], errors
 
 
+def _replicas_worker(rank: int, world: int, model_dir: str) -> dict:
+    """4 ranks: stock fsdp2 (3 rows each) and the EP engine as 2 CP groups of 2 (HSDP; each group its replica's 6
+    rows): the parameters after one step."""
+    from verl_longstraw.integration import testing
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    out = {}
+    for strategy, cp, knobs in (("fsdp2", 1, {}), ("longstraw", CP, dict(KNOBS, fsdp_size=CP))):
+        mbs = 12 // (world // cp)
+        cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, **knobs)
+        engine = testing.make_engine(strategy, model_dir, cfg, mbs)
+        _, out[strategy], _ = testing.train_step(engine, _batch(rank // cp, world // cp), cfg, mbs)
+    return out
+
+
+def test_two_cp_groups_by_two_replicas_match_fsdp2(saved_models):
+    """The replicas average the experts' gradients with the rest: every rank's parameters after the step are
+    the stock engine's."""
+    from verl_longstraw.integration import testing
+
+    if Version(transformers.__version__) < ep.MIN_TRANSFORMERS:
+        pytest.skip(f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
+    results = run_ranks(_replicas_worker, 2 * CP, saved_models["qwen3_moe"], timeout_s=900)
+    for rank, result in enumerate(results):
+        assert testing.rel_diff(result["longstraw"], results[0]["fsdp2"]) < 1e-5, rank
+
+
 def _refusal_worker(rank: int, world: int, model_dirs: dict[str, str]) -> list[str]:
     """The message each bad engine raises on this rank: 3 experts over 2 ranks, a dense model, an old transformers,
     LoRA on the experts (peft's all-linear)."""
