@@ -12,7 +12,8 @@ ranks under a hard timeout, tiny random-init MoE models loaded by veRL's own mod
 - LoRA on the dense layers, the EP experts frozen: the LoRA parameters after the step and the LoRA weights exported
   to the rollout equal the stock engine's, every base parameter (experts included) unchanged;
 - a checkpoint saved by veRL's checkpoint manager and loaded into a fresh engine restores every parameter;
-- with veRL's parameter and optimizer offload on, the same parameters after the step;
+- with veRL's parameter and optimizer offload on, the same parameters after the step; on 4 ranks as 2 CP groups of
+  2 (replicas, HSDP), the same parameters on every rank;
 - refusals on every rank before any collective: experts not divisible by R, a family without a plan, a
   transformers older than the plan (spawned, hard timeouts); expert_parallel with context_parallel_size 1 at config
   time.
