@@ -48,9 +48,17 @@ MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # idle OpenMP threads sleep instead of spinning (spinning ones slow every other process on a shared machine,
 # and the other rank at R > 1); set it to override
 THREAD_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in {**MMAP_ENV, **THREAD_ENV}.items()):
-    # read at start-up only; spawned ranks inherit the environment
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MMAP_ENV, **THREAD_ENV})
+
+
+def restart_in_measurement_env() -> None:
+    """Run this script again with ``MMAP_ENV`` and ``THREAD_ENV`` set unless they are: glibc and OpenMP read them
+    at start-up only (spawned ranks inherit them)."""
+    if any(os.environ.get(k) != v for k, v in {**MMAP_ENV, **THREAD_ENV}.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MMAP_ENV, **THREAD_ENV})
+
+
+if __name__ == "__main__":
+    restart_in_measurement_env()
 
 ROOT = Path(__file__).resolve().parents[1]
 

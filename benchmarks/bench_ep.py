@@ -51,9 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_engine import (
-    MMAP_ENV,
     ROOT,
-    THREAD_ENV,
     WARMUP,
     _code_lines,
     _per_rank,
@@ -61,6 +59,7 @@ from bench_engine import (
     code_version,
     log_prob,
     measure,
+    restart_in_measurement_env,
     update_actor,
 )
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
@@ -70,9 +69,8 @@ from verl_longstraw.machine import describe, machine
 from verl_longstraw.parallel import experts
 from verl_longstraw.parallel.launch import run_ranks
 
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in {**MMAP_ENV, **THREAD_ENV}.items()):
-    # bench_engine's measurement environment, read by glibc and OpenMP at start-up only
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MMAP_ENV, **THREAD_ENV})
+if __name__ == "__main__":
+    restart_in_measurement_env()  # bench_engine's measurement environment
 
 FAMILY = "qwen3_moe"
 MODEL = dict(  # every layer MoE (decoder_sparse_step 1): 4 x 8 experts of 3 x 256 x 256 fp32 = 6 MiB a layer

@@ -50,15 +50,14 @@ from typing import Any, Callable
 
 import torch
 from bench_engine import (
-    MMAP_ENV,
     MODELS,
     ROOT,
-    THREAD_ENV,
     _code_lines,
     _scalar,
     code_version,
     log_prob,
     measure,
+    restart_in_measurement_env,
     update_actor,
 )
 
@@ -66,9 +65,8 @@ from verl_longstraw.integration import testing
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.tiny import VOCAB
 
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in {**MMAP_ENV, **THREAD_ENV}.items()):
-    # bench_engine's measurement environment, read by glibc and OpenMP at start-up only
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MMAP_ENV, **THREAD_ENV})
+if __name__ == "__main__":
+    restart_in_measurement_env()  # bench_engine's measurement environment
 
 FAMILIES = {
     "qwen3": MODELS["qwen3"],
