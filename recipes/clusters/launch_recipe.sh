@@ -14,9 +14,18 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 RAY_PORT="${RAY_PORT:-6379}"
 # Long prompts: allocator fragmentation matters more than usual with multi-GiB state blocks.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# Ray turns token authentication on by default (2.59: local clusters, 2.61: every cluster), and a node whose
+# setting differs from the head's is refused: token mode on every node, one token. The head uses (or makes)
+# ~/.ray/auth_token; a worker needs the same token: RAY_AUTH_TOKEN (on the head: `ray get-auth-token`) or the
+# file at RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token (a shared home).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 if [[ "$ROLE" == worker ]]; then
   HEAD_IP="${HEAD_IP:?set HEAD_IP to the head node address}"
+  if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && ! -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]]; then
+    echo "RAY_AUTH_MODE=token and no token here: set RAY_AUTH_TOKEN to the head's (run \`ray get-auth-token\` there)" >&2
+    exit 2
+  fi
   exec ray start --address="$HEAD_IP:$RAY_PORT" --num-gpus="$GPUS_PER_NODE" --block
 fi
 [[ "$ROLE" == head ]] || { echo "ROLE must be head or worker, got $ROLE" >&2; exit 2; }
@@ -29,6 +38,7 @@ EXTRA=()
 if [[ "${LONGSTRAW_DRY_RUN:-0}" == 1 ]]; then
   EXTRA+=(--cfg job)
 elif (( NNODES > 1 )) || [[ "${USE_RAY_CLUSTER:-0}" == 1 ]]; then
+  [[ "$RAY_AUTH_MODE" != token ]] || ray get-auth-token --generate >/dev/null  # the workers' token
   ray start --head --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE"
   trap 'ray stop' EXIT
   export RAY_ADDRESS="127.0.0.1:$RAY_PORT"
