@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .adapters import Adapter
 from .adapters.base import call_as
+from .flops import BACKWARD, model_cost
 from .parallel import comm
 from .parallel.segment import SegmentSharding
 from .plan import Plan, Split, Step
@@ -43,8 +44,8 @@ LossFn = Callable[..., torch.Tensor]
 
 @dataclass
 class GroupStats:
-    """What a walk cost on this rank: bytes held (the largest over the walks recorded), seconds per phase and
-    tokens run through the model per phase (captured, replayed: real tokens, recomputed)."""
+    """What a walk cost on this rank: bytes held (the largest over the walks recorded), seconds per phase,
+    tokens run through the model per phase (captured, replayed: real tokens, recomputed) and the FLOPs they ran."""
 
     prompt_state_bytes: int = 0
     state_grad_device_bytes: int = 0  # exact mode: float32 state-gradient sums on the device
@@ -56,6 +57,7 @@ class GroupStats:
     tokens_replayed: int = 0
     tokens_recomputed: int = 0
     segments: int = 0  # segments of the plans walked
+    model_flops: float = 0.0  # forward and backward FLOPs of every call, recomputes included (``flops``)
 
     @property
     def tokens_forwarded(self) -> int:
@@ -156,6 +158,7 @@ class _Walk:
         self.adapter, self.plan, self.sequences, self.mode = adapter, plan, sequences, mode
         self.temperature, self.with_entropy, self.loss_fn, self.group = temperature, with_entropy, loss_fn, group
         self.store, self.captured, self.stats = store, captured, stats
+        self.cost = model_cost(adapter)
         self.backward = mode != "log_probs"
         self.exact = mode == "exact"
         self.values: dict[int, torch.Tensor] = {}  # segment -> float32 log-probs of its scored positions
@@ -181,6 +184,10 @@ class _Walk:
         s = self.plan.segments[index]
         return (self.sequences.span(s.row, s.own_start, s.own_end),
                 self.sequences.span(s.row, s.own_start + 1, s.own_end + 1))
+
+    def _flops(self, tokens: int, start: int, scoring: Scoring | None) -> float:
+        """Forward FLOPs of a call of one sequence of ``tokens`` at ``start`` (``flops.ModelCost.forward``)."""
+        return self.cost.forward(tokens, start, None if scoring is None else len(scoring.targets))
 
     def _scoring(self, targets: torch.Tensor, first: int = 0) -> Scoring:
         return Scoring(targets[first:], self.temperature, self.with_entropy, first)
@@ -296,11 +303,12 @@ class _Walk:
         s = self.plan.segments[step.segments[0]]
         inputs, targets = self._own_tokens(s.index)
         past = self.store.read(step.parent, self._parent_rows(step.parent))
+        scoring = self._segment_scoring(s.index, targets)
         with torch.no_grad():
-            out = run_segment(self.adapter, inputs, s.own_start, past, self._segment_scoring(s.index, targets),
-                              self._sharding(step.split))
+            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, self._sharding(step.split))
         self.store.write(s.index, s.row_start, out.states)
         self.stats.tokens_captured += s.own_end - s.own_start
+        self.stats.model_flops += self._flops(len(inputs), s.own_start, scoring)
         self.stats.prompt_state_bytes = max(self.stats.prompt_state_bytes, self.store.nbytes())
         if s.scored:
             self._keep_segment_values(s.index, out)
@@ -351,6 +359,8 @@ class _Walk:
             if self.loss_fn is not None:
                 losses, stand_ins = self._row_losses(rows, live)
         self.stats.tokens_replayed += sum(lengths) if leaves else 0
+        forward = sum(self.cost.forward(n, start, n) for n in lengths) if leaves else 0.0  # real tokens, all scored
+        self.stats.model_flops += forward
         self._gather_values(step, leaves, lps, ents)
         if self.loss_fn is None:
             return
@@ -358,6 +368,7 @@ class _Walk:
         if not leaves:  # a CP dummy: a zero loss over the same graph, so its backward makes the same calls
             losses = [lps[0].sum() * 0 + (ents[0].sum() * 0 if self.with_entropy else 0)]
         torch.autograd.backward(losses)  # one backward for the batch
+        self.stats.model_flops += BACKWARD * forward
         self._add_value_grads(stand_ins)
         self._note_state_grad_bytes()
 
@@ -381,9 +392,11 @@ class _Walk:
         inputs, targets = self._own_tokens(s.index)
         parent_rows = self._parent_rows(step.parent)
         past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
+        scoring = self._segment_scoring(s.index, targets)
         with torch.enable_grad():
-            out = run_segment(self.adapter, inputs, s.own_start, past, self._segment_scoring(s.index, targets),
-                              self._sharding(step.split))
+            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, self._sharding(step.split))
+        forward = self._flops(len(inputs), s.own_start, scoring)
+        self.stats.model_flops += forward
         outputs, grads = [], []
         if self.exact or self.group is not None:  # detached under CP: zero gradients, so every rank runs one graph
             # (a sharded mixer's collectives in backward run only where its outputs get a gradient)
@@ -407,6 +420,7 @@ class _Walk:
                 grads.append(grad[first:last])
         if outputs:
             torch.autograd.backward(outputs, grads)
+            self.stats.model_flops += BACKWARD * forward
         self.stats.tokens_recomputed += s.own_end - s.own_start
         self._note_state_grad_bytes()
 
