@@ -170,10 +170,9 @@ def shape_engines(shape: str, fsdp2: bool = True) -> dict[str, str]:
     return {**engines, STAR: STAR, TREE: TREE}
 
 
-def star_units(micro_batches: list, fragments: list[list]) -> list[list]:
-    """The star path's units (replaces ``LongStrawEngine._units``): every micro-batch's GRPO groups, as under
-    context parallelism."""
-    return fragments
+def star_units(walk, fragments: list) -> list[list]:
+    """The star path's units (replaces ``LongStrawEngine._walk_units``): every micro-batch's GRPO groups."""
+    return [fragments]
 
 
 def build(name: str, path: str, knobs: dict | None, rows: int):
@@ -185,7 +184,7 @@ def build(name: str, path: str, knobs: dict | None, rows: int):
         config = testing.actor_config("longstraw", "token-mean", False, 0.0, rows, **knobs)
     engine = testing.make_engine(config.strategy, path, config, rows, lr=1e-6)
     if name == STAR:
-        engine._units = star_units
+        engine._walk_units = star_units
     td = testing.make_batch(1, WARMUP["group"], prompt_len=(WARMUP["prompt"], WARMUP["prompt"] + 1),
                             response_len=(WARMUP["response"], WARMUP["response"] + 1))
     log_prob(engine, td.clone(), WARMUP["group"])

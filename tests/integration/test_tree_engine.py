@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 import verl_longstraw.api as api_module
@@ -54,7 +55,7 @@ def engines(dist, tmp_path_factory):
 def plans(td, knobs):
     """The plans the engine walks for ``td`` as one micro-batch (one per tree), and the plans of its rows run
     one by one (the same knobs, nothing shared)."""
-    trees = prefix_trees(td)
+    trees = prefix_trees([td])
 
     def plan(sequences, starts):
         return tree_plan(sequences, starts, knobs.chunk_size, knobs.response_chunk_size, knobs.min_shared_tokens,
@@ -167,7 +168,7 @@ def test_update_actor_matches_fsdp2(engines, name, monkeypatch):
         if mbs == len(td):
             modes = ("exact",) if case.replays_once else ("log_probs", "exact")
             assert_walked(metrics, td, longstraw.longstraw, modes)
-            assert built == {"engine": len(prefix_trees(td)), "walk": 0}
+            assert built == {"engine": len(prefix_trees([td])), "walk": 0}
     finally:
         longstraw.longstraw = knobs
     if case.loss_mode == "clip_cov":
@@ -175,3 +176,52 @@ def test_update_actor_matches_fsdp2(engines, name, monkeypatch):
         assert min(clipped) > 0 and metrics["actor/pg_clipfrac"].values == clipped
     assert rel_diff(gl, gs) <= TOL
     assert rel_diff(pl, ps) <= TOL
+
+
+@pytest.mark.parametrize("single_forward", [True, False], ids=["single_forward", "two_pass"])
+def test_one_walk_spans_the_micro_batches(engines, single_forward):
+    """Micro-batches of 4 rows, groups spread across them (4 groups sharing a system prompt): the step walks
+    every row as one set of trees (the tokens forwarded are those trees' plans', fewer than the micro-batches'
+    own trees'), while each row's loss term stays its micro-batch's. Without veRL's ``global_batch_size``,
+    seq-mean-token-mean divides each micro-batch's loss by its own count of rows, so weighing a row by the tree's
+    rows instead (1/16, not 1/4) moves the parameters away from fsdp2's."""
+    stock, longstraw = engines("qwen3")
+    td = TREE_BATCHES["system_prompt"](seed=3)
+    tu.assign_non_tensor(td, global_batch_size=None)
+    mbs = 4  # the batch's rows are shuffled (``samples_batch``): each group's in several micro-batches
+    agg = "seq-mean-token-mean"
+    cfg_s, cfg_l = (actor_config(s, agg, True, 0.01, mbs) for s in ("fsdp2", "longstraw"))
+    knobs = longstraw.longstraw
+    longstraw.longstraw = dataclasses.replace(knobs, single_forward=single_forward)
+    try:
+        gs, ps, _ = train_step(stock, td.clone(), cfg_s, mbs)
+        gl, pl, metrics = train_step(longstraw, td.clone(), cfg_l, mbs)
+    finally:
+        longstraw.longstraw = knobs
+    assert rel_diff(gl, gs) <= TOL
+    assert rel_diff(pl, ps) <= TOL
+    modes = ("exact",) if single_forward else ("log_probs", "exact")
+    assert_walked(metrics, td, longstraw.longstraw, modes)
+    per_micro_batch = [p for mb in tu.chunk_tensordict(td, len(td) // mbs) for p in plans(mb, longstraw.longstraw)[0]]
+    tokens = metric_sum(metrics, "longstraw/tokens_forwarded")
+    assert tokens < sum(p.tokens_forwarded(mode) for p in per_micro_batch for mode in modes)
+    assert metric_sum(metrics, "longstraw/unshared_tokens_forwarded") == int(td["input_ids"].offsets()[-1])
+
+
+def test_preflight_walks_the_micro_batches_where_one_walk_would_not_fit(engines, monkeypatch):
+    """When the estimate says a tree of the whole call does not fit (here: any tree of more than 4 rows), the
+    micro-batches' own trees are walked: fsdp2's parameters, the tokens of the per-micro-batch plans."""
+    monkeypatch.setattr(engine_module.LongStrawEngine, "_over_budget",
+                        lambda self, unit, estimate, model_bytes: "too big" if len(unit.rows) > 4 else None)
+    stock, longstraw = engines("qwen3")
+    td = TREE_BATCHES["system_prompt"](seed=4)
+    mbs = 4
+    cfg_s, cfg_l = (actor_config(s, "token-mean", False, 0.0, mbs) for s in ("fsdp2", "longstraw"))
+    gs, ps, _ = train_step(stock, td.clone(), cfg_s, mbs)
+    gl, pl, metrics = train_step(longstraw, td.clone(), cfg_l, mbs)
+    assert rel_diff(gl, gs) <= TOL
+    assert rel_diff(pl, ps) <= TOL
+    per_micro_batch = [p for mb in tu.chunk_tensordict(td, len(td) // mbs) for p in plans(mb, longstraw.longstraw)[0]]
+    assert metric_sum(metrics, "longstraw/fragments") == len(per_micro_batch)
+    tokens = sum(p.tokens_forwarded("exact") for p in per_micro_batch)
+    assert metric_sum(metrics, "longstraw/tokens_forwarded") == tokens

@@ -1,14 +1,16 @@
 """The `longstraw` engine backend: veRL's FSDP2 engine with capture-once, replay-per-response passes.
 
 Model building, FSDP2 wrapping, offload, checkpoints, the reference model and weight export
-are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differs:
+are veRL's (`FSDPEngineWithLMHead`). Only the computation of a `forward_backward_batch` call differs:
 
-- the unit of work: the micro-batch's rows form prefix trees (`regroup.prefix_trees`: one per sampling
-  temperature; the plan shares every prefix of at least `longstraw.min_shared_tokens` tokens, whatever produced
-  it: a GRPO group's prompt, a system prompt across groups, per-turn samples, branched rollouts), run by
-  `tree_log_probs` / `tree_backward`, under context parallelism by the R ranks of the CP group together. (The
-  GRPO groups by uid and prompt, `regroup.regroup`, are what the pre-flight estimate sizes; run as stars by
-  `group_log_probs` / `group_backward`, they are the baseline `longstraw/star_tokens_forwarded` counts.)
+- the unit of work: the rows of the whole call (this rank's share of a mini-batch: all of veRL's micro-batches)
+  form prefix trees (`regroup.prefix_trees`: one per sampling temperature; the plan shares every prefix of at least
+  `longstraw.min_shared_tokens` tokens, whatever produced it: a GRPO group's prompt, a system prompt across groups,
+  per-turn samples, branched rollouts), run by `tree_log_probs` / `tree_backward`, under context parallelism by
+  the R ranks of the CP group together. Only where the pre-flight estimate says such a walk would not fit are the
+  micro-batches' own trees walked instead. veRL's micro-batches still set each row's loss term: the loss function
+  is called per micro-batch, as veRL's loop calls it. (The GRPO groups of each micro-batch, `regroup.regroup`, run
+  as stars by `group_log_probs` / `group_backward`, are the baseline `longstraw/star_tokens_forwarded` counts.)
 - forward (log-probs): one log-prob walk per unit, returned as veRL's nested `log_probs`/`entropy` over
   prompt + response.
 - training, one replay per response (`longstraw.single_forward`, when veRL's loss splits into
@@ -21,8 +23,8 @@ are veRL's (`FSDPEngineWithLMHead`). Only the per-micro-batch computation differ
   per unit. By the chain rule this is the gradient of veRL's loss for any policy loss and `loss_agg_mode`;
   the cost is one extra forward per response and per shared segment of a tree (the backward walk captures
   again what the log-prob walk captured: only one root-to-leaf path's state is ever held). Star units (a
-  ``_units`` override) capture a prompt once per step instead: the log-prob pass keeps the state
-  (`capture_prompt`) and the backward reuses it, so the states of one micro-batch's groups are alive together
+  ``_walk_units`` override) capture a prompt once per step instead: the log-prob pass keeps the state
+  (`capture_prompt`) and the backward reuses it, so the states of the call's groups are alive together
   between the two passes.
 
 With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
@@ -47,6 +49,7 @@ memory.
 
 import copy
 import functools
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Optional
 
@@ -83,6 +86,7 @@ from verl_longstraw.estimate import (
     expert_shard_bytes,
     unsharded_bytes,
 )
+from verl_longstraw.flops import mfu
 from verl_longstraw.parallel import comm, experts
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.plan import Plan, star_plan, tree_plan
@@ -92,6 +96,7 @@ from .losses import splits_by_response
 from .regroup import (
     Fragment,
     Tree,
+    WalkRows,
     check_positions,
     gather_response_values,
     prefix_trees,
@@ -101,7 +106,7 @@ from .regroup import (
     scatter_response_values,
 )
 
-Unit = Fragment | Tree  # what one walk runs: a prefix tree, or a GRPO group where ``_units`` is overridden
+Unit = Fragment | Tree  # what one walk runs: a prefix tree, or a GRPO group where ``_walk_units`` is overridden
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -203,14 +208,19 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False) -> dict:
-        """Same contract as veRL's FSDP engine.
+        """Same contract as veRL's FSDP engine: veRL's micro-batches (``prepare_micro_batches``), each one's loss
+        evaluated by ``loss_function`` on that micro-batch, one output per micro-batch.
 
-        One group per rank: parameters are held unsharded per micro-batch and gradients are
-        reduce-scattered once per mini-batch (or once per micro-batch with
-        `use_no_sync_for_gradient_accumulation=False`). Context parallel: FSDP2's per-layer hooks
-        run as configured, each backward reduce-scatters in the CP group, and the CP groups
-        (replicas) average their gradient shards once at the end. Resets the device's peak-memory counter first, so
-        `longstraw/peak_memory_gb` (and veRL's `perf/max_memory_*` read after it) cover this call only.
+        The walk is not per micro-batch: the rows of the whole call (this rank's share of a mini-batch, or of a
+        log-prob batch) form one set of prefix trees (``_walk_units``), split into the micro-batches' trees only
+        where the pre-flight estimate says one walk would not fit (``_preflight``). Each row's loss term is the one
+        its micro-batch gives it (veRL's loss is called per micro-batch with that row live), so every policy loss
+        and ``loss_agg_mode`` gets veRL's micro-batched gradient, normalisers local to a micro-batch included.
+
+        Parameters are held unsharded for the walk and gradients reduce-scattered once at its end. Context
+        parallel: FSDP2's per-layer hooks run as configured, each backward reduce-scatters in the CP group, and the
+        CP groups (replicas) average their gradient shards once at the end. Resets the device's peak-memory counter
+        first, so `longstraw/peak_memory_gb` (and veRL's `perf/max_memory_*` read after it) cover this call only.
         """
         get_torch_device().reset_peak_memory_stats()
         tu.assign_non_tensor(data, sp_size=1)
@@ -225,38 +235,41 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
         )
-        micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        fragments = [regroup(mb) for mb in micro_batches]  # GRPO groups: the star path's units (the baseline)
-        units = self._units(micro_batches, fragments)
-        preflight = self._preflight(units, forward_only)
-        outputs = []
-        star_tokens = [self._star_tokens_forwarded(groups, loss_function, forward_only) for groups in fragments]
-        if self.cp_mesh is None:
-            defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
-            for idx, micro_batch in enumerate(micro_batches):
-                sync = not forward_only and (idx == len(micro_batches) - 1 or not defer_sync)
-                with held_unsharded(self.module), torch.profiler.record_function(f"micro_batch{idx}"):
-                    _, output = self.forward_step(micro_batch, loss_function, forward_only, units[idx])
-                    if sync:
-                        sync_gradients(self.module, self._device, self._compute_dtype())
-                outputs.append(output)
-        else:
-            expert_gradients = {} if forward_only else self._expert_gradients()
-            for idx, micro_batch in enumerate(micro_batches):
-                with torch.profiler.record_function(f"micro_batch{idx}"):
-                    outputs.append(self.forward_step(micro_batch, loss_function, forward_only, units[idx])[1])
+        walk = WalkRows([mb.to(get_device_id()) for mb in micro_batches])
+        for micro_batch in walk.micro_batches:
+            self._check_request(micro_batch)
+            check_positions(micro_batch)
+        # GRPO groups per micro-batch: the star path's units, the baseline `star_tokens_forwarded` counts
+        fragments = [f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]
+        units, preflight = self._preflight(self._walk_units(walk, fragments), forward_only)
+        walk_metrics: dict[str, Metric] = {}
+        stats = GroupStats()
+        expert_gradients = {} if forward_only else self._expert_gradients()
+        started = time.perf_counter()
+        with held_unsharded(self.module) if self.cp_mesh is None else nullcontext():
+            outputs = self._walk(walk, units, loss_function, forward_only, stats, walk_metrics)
+            if self.cp_mesh is None and not forward_only:
+                sync_gradients(self.module, self._device, self._compute_dtype())
+        utilisation = mfu(stats.model_flops, time.perf_counter() - started, _device_model())
+        if utilisation is not None:
+            walk_metrics["longstraw/mfu"] = Metric(AggregationType.MEAN, utilisation)
+        if self.cp_mesh is not None:
             self._unscale_expert_gradients(expert_gradients)
             if not forward_only and self.get_data_parallel_size() > 1:
                 average_over_replicas(self.module, self.get_data_parallel_group())
-        for output, tokens in zip(outputs, star_tokens, strict=True):
-            output["metrics"]["longstraw/star_tokens_forwarded"] = Metric(AggregationType.SUM, float(tokens))
         result = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
-        result["metrics"]["longstraw/groups"] = Metric(AggregationType.SUM, float(len(set(uids or []))))
-        result["metrics"]["longstraw/estimated_peak_gb"] = Metric(AggregationType.MAX, preflight / GIB)
+        modes = self._walk_modes(loss_function, forward_only)
+        walk_metrics["longstraw/star_tokens_forwarded"] = Metric(
+            AggregationType.SUM, float(self._star_tokens_forwarded(fragments, modes)))
+        walk_metrics["longstraw/unshared_tokens_forwarded"] = Metric(
+            AggregationType.SUM, float(sum(int(mb["input_ids"].offsets()[-1]) for mb in walk.micro_batches)))
+        walk_metrics["longstraw/groups"] = Metric(AggregationType.SUM, float(len(set(uids or []))))
+        walk_metrics["longstraw/estimated_peak_gb"] = Metric(AggregationType.MAX, preflight / GIB)
+        result["metrics"].update(walk_metrics)
         return result
 
     def _walk_modes(self, loss_function: Optional[Callable], forward_only: bool) -> tuple[str, ...]:
-        """The walks one micro-batch's units take: ("log_probs",) forward only; (prompt_grad,) training with one
+        """The walks a call's units take: ("log_probs",) forward only; (prompt_grad,) training with one
         replay per response (``longstraw.single_forward`` and a loss that splits by response); ("log_probs",
         prompt_grad) training in two passes."""
         if forward_only:
@@ -265,11 +278,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             return (self.longstraw.prompt_grad,)
         return ("log_probs", self.longstraw.prompt_grad)
 
-    def _star_tokens_forwarded(self, groups: list[Fragment], loss_function: Optional[Callable],
-                               forward_only: bool) -> int:
-        """Tokens the star path (one plan per GRPO group, ``regroup``) runs on this rank for the same walks: the
-        baseline ``longstraw/tokens_forwarded`` is compared with (a two-pass step captures each prompt once)."""
-        modes = self._walk_modes(loss_function, forward_only)
+    def _star_tokens_forwarded(self, groups: list[Fragment], modes: tuple[str, ...]) -> int:
+        """Tokens the star path (one plan per GRPO group of each micro-batch, ``regroup``) runs on this rank for the
+        same walks (``modes``: ``_walk_modes``): the baseline ``longstraw/tokens_forwarded`` is compared with (a
+        two-pass step captures each prompt once)."""
         total = 0
         for frag in groups:
             plan = self._unit_plan(frag)
@@ -290,10 +302,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return star_plan(len(unit.prompt_ids), [len(r) for r in unit.responses], knobs.chunk_size,
                          knobs.replay_tokens, world, rank)
 
-    def _units(self, micro_batches: list[TensorDict], fragments: list[list[Fragment]]) -> list[list[Unit]]:
-        """Each micro-batch's units of work: its prefix trees (``prefix_trees``). ``fragments`` (its GRPO groups,
-        ``regroup``) serve an override that runs the star path instead (``benchmarks/bench_tree.py``'s baseline)."""
-        return [prefix_trees(mb) for mb in micro_batches]
+    def _walk_units(self, walk: WalkRows, fragments: list[Fragment]) -> list[list[Unit]]:
+        """The units of this call's walk, in the order the pre-flight check tries them: the prefix trees of all its
+        rows, then each micro-batch's trees. ``fragments`` (the micro-batches' GRPO groups, ``regroup``) serve an
+        override that runs the star path instead (``benchmarks/bench_tree.py``'s baseline)."""
+        per_micro_batch = [t for m, mb in enumerate(walk.micro_batches) for t in prefix_trees([mb], walk.first[m])]
+        return [prefix_trees(walk.micro_batches), per_micro_batch]
 
     @functools.cached_property
     def _unit_counts(self) -> ParameterCounts:
@@ -309,12 +323,15 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
-    def _preflight(self, units: list[list[Unit]], forward_only: bool) -> int:
-        """Estimated device bytes of this rank's step: its largest unit's (`estimate_plan` of the unit's plan,
-        crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it holds
-        unsharded (`estimate.unsharded_bytes`). With `longstraw.preflight`, MemoryError naming the knobs
-        when they exceed `memory_budget_gb` (or the device's free memory). Runs before any capture; every
-        rank learns every rank's verdict, so all raise together."""
+    def _preflight(self, candidates: list[list[Unit]], forward_only: bool) -> tuple[list[Unit], int]:
+        """The units this rank walks, and its step's estimated device bytes: the largest unit's (`estimate_plan` of
+        the unit's plan, crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it
+        holds unsharded (`estimate.unsharded_bytes`).
+
+        ``candidates`` (``_walk_units``) are tried in order. Without `longstraw.preflight` the first is walked; with
+        it, the first whose estimate fits `memory_budget_gb` (or the device's free memory) on every rank, and
+        MemoryError naming the knobs when not even the last fits. Runs before any capture; every rank learns every
+        rank's verdict, so all choose the same units (a CP group walks in lockstep) and all raise together."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
         expert_parallel = self.longstraw.expert_parallel
         params, grads = unsharded_bytes(self._unit_counts, self.cp_size, self._compute_dtype(), reduce_dtype,
@@ -323,36 +340,44 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if expert_parallel and not forward_only:  # the expert shards' gradients (the shards are resident)
             model_bytes += expert_shard_bytes(self._unit_counts, self.cp_size, self._expert_dtype).gradients
         adapter = adapter_for(self.module)
-        estimates = [(unit, self._estimate(adapter, unit, forward_only)) for mb in units for unit in mb]
-        unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
-        total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
-        if not self.longstraw.preflight:
-            return total
-        message = None
-        if estimate is not None:
-            budget_gb = self.longstraw.memory_budget_gb
-            budget = int(budget_gb * GIB) if budget_gb is not None else _free_device_bytes()
-            try:
-                check_budget(estimate, budget - model_bytes)
-            except MemoryError as exc:
-                source = "longstraw.memory_budget_gb" if budget_gb is not None else "free device memory"
-                held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for a micro-batch at R = 1)"
-                message = (
-                    f"LongStraw pre-flight check, before any capture: {_describe(unit)} does not fit the budget "
-                    f"({source}: {budget / GIB:.3g} GiB, of which "
-                    f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
-                    "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
-                    "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
-                    "longstraw.preflight=false skips this check."
-                )
-        verdicts: list[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, message)
-        if message is not None:
-            raise MemoryError(message)
-        for rank, theirs in enumerate(verdicts):
-            if theirs is not None:
-                raise MemoryError(f"rank {rank} failed the pre-flight check: {theirs}")
-        return total
+        for attempt, units in enumerate(candidates):
+            estimates = [(unit, self._estimate(adapter, unit, forward_only)) for unit in units]
+            unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
+            total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
+            if not self.longstraw.preflight:
+                return units, total
+            message = None if estimate is None else self._over_budget(unit, estimate, model_bytes)
+            verdicts: list[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, message)
+            if all(verdict is None for verdict in verdicts):
+                return units, total
+            if attempt + 1 < len(candidates):
+                continue
+            if message is not None:
+                raise MemoryError(message)
+            rank = next(rank for rank, theirs in enumerate(verdicts) if theirs is not None)
+            raise MemoryError(f"rank {rank} failed the pre-flight check: {verdicts[rank]}")
+        raise ValueError("no units to walk: _walk_units returned no candidate")
+
+    def _over_budget(self, unit: Unit, estimate: MemoryEstimate, model_bytes: int) -> Optional[str]:
+        """Why ``unit``'s walk does not fit (``estimate`` plus ``model_bytes`` against `longstraw.memory_budget_gb`
+        or the device's free memory), naming the knobs; None when it fits."""
+        budget_gb = self.longstraw.memory_budget_gb
+        budget = int(budget_gb * GIB) if budget_gb is not None else _free_device_bytes()
+        try:
+            check_budget(estimate, budget - model_bytes)
+        except MemoryError as exc:
+            source = "longstraw.memory_budget_gb" if budget_gb is not None else "free device memory"
+            held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for the walk at R = 1)"
+            return (
+                f"LongStraw pre-flight check, before any capture: {_describe(unit)} does not fit the budget "
+                f"({source}: {budget / GIB:.3g} GiB, of which "
+                f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
+                "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
+                "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
+                "longstraw.preflight=false skips this check."
+            )
+        return None
 
     def _estimate(self, adapter: Adapter, unit: Unit, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
@@ -364,38 +389,77 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             device_type=get_device_name(), expert_parallel=self.longstraw.expert_parallel,
         )
 
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only, units: list[Unit]):
-        """Log-probs (and entropy) of one micro-batch (on the device, its ``units``: ``prefix_trees(micro_batch)``),
-        its loss, and, when training, its gradient.
+    def _walk(self, walk: WalkRows, units: list[Unit], loss_function: Optional[Callable], forward_only: bool,
+              stats: GroupStats, walk_metrics: dict[str, Metric]) -> list[dict]:
+        """Log-probs (and entropy) of every row of ``walk`` (on the device) by walking ``units``, each micro-batch's
+        loss, and, when training, the gradient. Returns veRL's per-micro-batch outputs (loss, its metrics, the
+        model output when asked); what the walks cost is recorded into ``stats``, the walk's own metrics go into
+        ``walk_metrics``.
 
         Training takes one of two paths, reported as ``longstraw/single_forward`` (1 or 0): one replay per
         response that backpropagates the response's own loss term (``longstraw.single_forward`` and a loss
         that splits by response, ``losses.splits_by_response``), or two passes (log-probs without autograd,
-        veRL's loss on them, then a replay with autograd fed d(loss)/d(log-probs, entropy)).
-        Returns (loss, output) like veRL's engine, but the backward has already run: the
-        returned loss is detached.
+        veRL's loss on them per micro-batch, then a replay with autograd fed d(loss)/d(log-probs, entropy)).
+        The backward has already run when this returns: the returned losses are detached values.
         """
-        self._check_request(micro_batch)
-        check_positions(micro_batch)
-        calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
-        return_model_output = tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False)
+        first = walk.micro_batches[0]
+        calculate_entropy = tu.get_non_tensor_data(data=first, key="calculate_entropy", default=False)
+        return_model_output = tu.get_non_tensor_data(data=first, key="return_model_output", default=False)
         modes = self._walk_modes(loss_function, forward_only)
         single = not forward_only and len(modes) == 1
         two_pass = len(modes) == 2
-        stats = GroupStats()
         with comm.trace_collectives() as collectives, self._trace_experts() as expert_bytes:
             if single:
-                log_probs, entropy = self._replay_once(units, micro_batch, loss_function, calculate_entropy, stats)
+                log_probs, entropy = self._replay_once(units, walk, loss_function, calculate_entropy, stats)
                 states = []
             else:
-                log_probs, entropy, states = self._log_probs(units, len(micro_batch), calculate_entropy, stats,
+                log_probs, entropy, states = self._log_probs(units, len(walk), calculate_entropy, stats,
                                                              keep_states=two_pass)
 
+        outputs, loss_grads = [], []
+        for m, micro_batch in enumerate(walk.micro_batches):
+            rows = walk.of(m)
+            output, grads = self._micro_batch_loss(
+                micro_batch, [log_probs[row] for row in rows],
+                None if entropy is None else [entropy[row] for row in rows],
+                loss_function, forward_only, two_pass, return_model_output)
+            outputs.append(output)
+            loss_grads.append(grads)
+
+        walk_metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(units)))
+        if not forward_only:
+            walk_metrics["longstraw/single_forward"] = Metric(AggregationType.MEAN, float(single))
+        if two_pass:
+            g_lp = [g for grads in loss_grads for g in grads[0]]
+            g_ent = None
+            if any(grads[1] is not None for grads in loss_grads):
+                g_ent = [g for lp, ent in loss_grads for g in (ent if ent is not None else map(torch.zeros_like, lp))]
+            with comm.trace_collectives() as backward_collectives, self._trace_experts() as backward_expert_bytes:
+                self._backward(units, states, g_lp, g_ent, stats)
+            collectives += backward_collectives
+            expert_bytes += backward_expert_bytes
+        walk_metrics.update(_stats_metrics(stats, collectives, expert_bytes))
+        return outputs
+
+    def _micro_batch_loss(
+        self,
+        micro_batch: TensorDict,
+        log_probs: list[Optional[torch.Tensor]],
+        entropy: Optional[list[Optional[torch.Tensor]]],
+        loss_function: Optional[Callable],
+        forward_only: bool,
+        two_pass: bool,
+        return_model_output: bool,
+    ) -> tuple[dict, tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]]:
+        """veRL's output for one micro-batch from its rows' [T_i] response log-probs (and entropies; None for rows
+        in no unit): ``loss_function`` evaluated on it as veRL's micro-batched loop does. With ``two_pass`` also
+        d(scaled loss)/d(log-probs) and d(loss)/d(entropies) per row ([T_i] each; the entropies' None when the loss
+        does not depend on them), else empty lists."""
         offsets = micro_batch["input_ids"].offsets()
         lp_flat = scatter_response_values(log_probs, micro_batch).requires_grad_(two_pass)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp_flat, offsets)}
         ent_flat = None
-        if calculate_entropy:
+        if entropy is not None:
             ent_flat = scatter_response_values(entropy, micro_batch).requires_grad_(two_pass)
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(ent_flat, offsets)
 
@@ -408,21 +472,18 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             assert forward_only, "forward_only must be True when loss_function is None"
             loss, metrics = torch.tensor(1.0, device=get_device_id()), {}
 
-        metrics = dict(metrics)
-        metrics["longstraw/fragments"] = Metric(AggregationType.SUM, float(len(units)))
-        if not forward_only:
-            metrics["longstraw/single_forward"] = Metric(AggregationType.MEAN, float(single))
+        grads: tuple[list[torch.Tensor], Optional[list[torch.Tensor]]] = ([], None)
         if two_pass:
-            with comm.trace_collectives() as backward_collectives, self._trace_experts() as backward_expert_bytes:
-                self._backward(units, states, loss, lp_flat, ent_flat, micro_batch, stats)
-            collectives += backward_collectives
-            expert_bytes += backward_expert_bytes
-        metrics.update(_stats_metrics(stats, collectives, expert_bytes))
-
-        output = {"loss": loss.detach().item(), "metrics": metrics}
+            leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
+            flat_grads = torch.autograd.grad(self._scale_loss(loss), leaves, allow_unused=True)
+            g_ent = None
+            if ent_flat is not None and flat_grads[1] is not None and bool(flat_grads[1].ne(0).any()):
+                g_ent = gather_response_values(flat_grads[1], micro_batch)
+            grads = (gather_response_values(_zeros_if_none(flat_grads[0], lp_flat), micro_batch), g_ent)
+        output = {"loss": loss.detach().item(), "metrics": dict(metrics)}
         if forward_only or return_model_output:
             output["model_output"] = detach_tree(model_output)
-        return loss.detach(), output
+        return output, grads
 
     def _trace_experts(self) -> ContextManager[list[int]]:
         """The experts' all-to-all bytes of this rank inside the block (``experts.trace_all_to_all``), an empty
@@ -524,37 +585,39 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _replay_once(
         self,
         units: list[Unit],
-        micro_batch: TensorDict,
+        walk: WalkRows,
         loss_function: Callable,
         calculate_entropy: bool,
         stats: GroupStats,
     ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
         """Training with one replay per response, for a loss that splits by response: each response's
-        replay evaluates veRL's loss with that response's log-probs (and entropy) live and zeros in every
-        other row, and backpropagates it at once (a tree's shared response tokens pass their share on). Its
-        gradient is the response's share of the micro-batch loss's gradient (``losses`` module docstring). Returns
-        the per-row log-probs and entropies (detached, float32, None for rows in no unit) for the loss value and
-        metrics."""
-        batch_size = len(micro_batch)
-        starts = response_starts(micro_batch)
-        offsets = micro_batch["input_ids"].offsets()
-        zeros = torch.zeros(int(offsets[-1]), device=offsets.device)
+        replay evaluates veRL's loss on the response's micro-batch with that response's log-probs (and entropy)
+        live and zeros in every other row, and backpropagates it at once (a tree's shared response tokens pass
+        their share on). Its gradient is the response's share of its micro-batch loss's gradient (``losses`` module
+        docstring). Returns the per-walk-row log-probs and entropies (detached, float32, None for rows in no unit)
+        for the loss values and metrics."""
+        starts = [response_starts(mb) for mb in walk.micro_batches]
+        totals = [int(mb["input_ids"].offsets()[-1]) for mb in walk.micro_batches]
 
-        def live(values: torch.Tensor, row: int) -> torch.Tensor:
-            """[total] nested over prompt + response: ``values`` [T] at ``row``'s response positions, else 0."""
-            start = starts[row]
-            flat = torch.cat([zeros[:start], values.float(), zeros[start + len(values) :]])
-            return torch.nested.nested_tensor_from_jagged(flat, offsets)
+        def live(values: torch.Tensor, m: int, row: int) -> torch.Tensor:
+            """[total] nested over micro-batch ``m``'s prompt + response: ``values`` [T] at ``row``'s response
+            positions, else 0."""
+            start = starts[m][row]
+            flat = torch.zeros(totals[m], device=values.device)
+            flat = torch.cat([flat[:start], values.float(), flat[start + len(values) :]])
+            return torch.nested.nested_tensor_from_jagged(flat, walk.micro_batches[m]["input_ids"].offsets())
 
-        log_probs: list[Any] = [None] * batch_size
-        entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
+        log_probs: list[Any] = [None] * len(walk)
+        entropy: Optional[list[Any]] = [None] * len(walk) if calculate_entropy else None
         for unit in units:
 
             def loss_fn(i: int, logps: torch.Tensor, ent: Optional[torch.Tensor] = None, unit=unit) -> torch.Tensor:
-                output = {"log_probs": live(logps, unit.rows[i])}
+                m, row = walk.locate(unit.rows[i])
+                output = {"log_probs": live(logps, m, row)}
                 if ent is not None:
-                    output["entropy"] = live(ent, unit.rows[i])
-                loss, _ = loss_function(model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group())
+                    output["entropy"] = live(ent, m, row)
+                loss, _ = loss_function(model_output=output, data=walk.micro_batches[m],
+                                        dp_group=self.get_data_parallel_group())
                 return self._scale_loss(loss)
 
             result = self._unit_backward(unit, loss_fn, calculate_entropy, stats)
@@ -568,20 +631,13 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         self,
         units: list[Unit],
         states: list[Optional[PromptState]],
-        loss: torch.Tensor,
-        lp_flat: torch.Tensor,
-        ent_flat: Optional[torch.Tensor],
-        micro_batch: TensorDict,
+        g_lp: list[torch.Tensor],
+        g_ent: Optional[list[torch.Tensor]],
         stats: GroupStats,
     ) -> None:
-        """Backpropagate `loss` through every unit's backward walk, via d(loss)/d(token log-prob, entropy)."""
-        leaves = [lp_flat] if ent_flat is None else [lp_flat, ent_flat]
-        grads = torch.autograd.grad(self._scale_loss(loss), leaves, allow_unused=True)
-        g_lp = gather_response_values(_zeros_if_none(grads[0], lp_flat), micro_batch)
-        g_ent = None
-        if ent_flat is not None and grads[1] is not None and bool(grads[1].ne(0).any()):
-            g_ent = gather_response_values(grads[1], micro_batch)
-
+        """Backpropagate the micro-batches' losses through every unit's backward walk, given per walk row
+        d(loss)/d(token log-prob) ``g_lp`` and d(loss)/d(token entropy) ``g_ent`` ([T_i] each; None: the losses do
+        not depend on the entropies)."""
         for unit, state in zip(units, states, strict=True):
 
             def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, unit=unit):
@@ -605,8 +661,9 @@ class LongStrawValueModel(BaseEngine):
 
 def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str]],
                    expert_bytes: list[int]) -> dict[str, Metric]:
-    """Per-micro-batch LongStraw metrics of this rank; seconds and bytes moved sum over micro-batches,
-    sizes held take the max.
+    """LongStraw metrics of one call's walk on this rank; seconds, tokens and bytes moved sum over calls, sizes
+    held take the max. (``forward_backward_batch`` adds ``star_tokens_forwarded``: the star path's count, and
+    ``unshared_tokens_forwarded``: the call's tokens, what veRL's stock engine forwards for it.)
 
     `prompt_state_bytes` and `state_grad_*_bytes` are this rank's (1/R of a group under context
     parallelism); `cp_collective_bytes` the tensors this rank passed to the CP collectives
@@ -615,7 +672,9 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
     `peak_memory_gb` is the device's peak allocated memory since `forward_backward_batch` started (on the CPU
     platform: the process's peak resident set size over the same span). `tokens_forwarded`: tokens this rank
     ran through the model (captures, replays, recomputes; `GroupStats.tokens_forwarded`); `tree_segments`:
-    segments of the plans walked (each walk of a unit counts its plan's).
+    segments of the plans walked (each walk of a unit counts its plan's); `model_flops`: the FLOPs those calls ran,
+    forward, backward and recompute (`verl_longstraw.flops`). (``forward_backward_batch`` adds `mfu`: `model_flops`
+    over the call's seconds and the device's peak, `flops.mfu`; not logged where no peak is known, e.g. on CPU.)
     """
     moved = sum(numel * getattr(torch, dtype).itemsize for _, _, numel, dtype in collectives)
     return {
@@ -629,6 +688,7 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
         "longstraw/prompt_backward_seconds": Metric(AggregationType.SUM, stats.prompt_backward_s),
         "longstraw/tokens_forwarded": Metric(AggregationType.SUM, float(stats.tokens_forwarded)),
         "longstraw/tree_segments": Metric(AggregationType.SUM, float(stats.segments)),
+        "longstraw/model_flops": Metric(AggregationType.SUM, stats.model_flops),
         "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
     }
 
@@ -640,6 +700,11 @@ def _describe(unit: Unit) -> str:
                 f"prompts of {min(unit.score_starts)}-{max(unit.score_starts)} tokens)")
     return (f"the group of a {len(unit.prompt_ids)}-token prompt and {len(unit.responses)} responses (longest "
             f"{max(len(r) for r in unit.responses)} tokens)")
+
+
+def _device_model() -> str:
+    """The accelerator's model name (e.g. "NVIDIA H200"), what ``flops.mfu`` looks up; the device type elsewhere."""
+    return get_torch_device().get_device_name() if get_device_name() == "cuda" else get_device_name()
 
 
 def _free_device_bytes() -> int:

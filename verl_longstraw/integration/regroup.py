@@ -1,6 +1,8 @@
-"""Regroup a micro-batch's samples: into prompt groups (``regroup``: fragments of GRPO groups, by uid) and into
-rows for prefix trees (``prefix_trees``: whatever the rows share, found from their token ids by the plan)."""
+"""Regroup samples: a micro-batch's into prompt groups (``regroup``: fragments of GRPO groups, by uid), a walk's
+micro-batches into rows for prefix trees (``prefix_trees``: whatever the rows share, found from their token ids by
+the plan; ``WalkRows`` numbers the rows across the micro-batches)."""
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -14,7 +16,7 @@ from ..plan import Plan
 class Fragment:
     """Samples of one micro-batch that share a prompt.
 
-    prompt_ids: [P] prompt tokens (no padding); rows: micro-batch rows of the samples;
+    prompt_ids: [P] prompt tokens (no padding); rows: walk rows of the samples (``WalkRows``);
     responses: [T_i] response tokens per row; temperature: the rows' common sampling temperature.
     """
 
@@ -26,9 +28,9 @@ class Fragment:
 
 @dataclass
 class Tree:
-    """Samples of one micro-batch run as one prefix tree (``verl_longstraw.plan.tree_plan`` finds what they share).
+    """Samples of one walk run as one prefix tree (``verl_longstraw.plan.tree_plan`` finds what they share).
 
-    rows: micro-batch rows; sequences: [P_i + T_i] prompt ++ response tokens per row (no padding);
+    rows: walk rows (``WalkRows``); sequences: [P_i + T_i] prompt ++ response tokens per row (no padding);
     score_starts: P_i (the first response token is the first scored); temperature: the rows' common one.
     """
 
@@ -39,25 +41,52 @@ class Tree:
     plan: Optional[Plan] = None  # this rank's plan with the engine's knobs, built once per step (engine._unit_plan)
 
 
-def prefix_trees(data: TensorDict) -> list[Tree]:
-    """The rows of a no-padding micro-batch with response tokens, one tree per sampling temperature (one
-    capture serves one temperature), in first-seen row order. Rows without response tokens are in no tree: they
-    have nothing to score and, as in veRL's engines, no loss term."""
-    values = data["input_ids"].values()
-    offsets = data["input_ids"].offsets().tolist()
-    lengths = prompt_lengths(data).tolist()
-    temperatures = sample_temperatures(data, len(offsets) - 1)
+def prefix_trees(micro_batches: Sequence[TensorDict], first_row: int = 0) -> list[Tree]:
+    """The rows with response tokens of no-padding micro-batches (rows numbered across them in order from
+    ``first_row``: a walk's rows, ``WalkRows``), one tree per sampling temperature (one capture serves one
+    temperature), in first-seen row order. Rows without response tokens are in no tree: they have nothing to
+    score and, as in veRL's engines, no loss term."""
     trees: dict[float, Tree] = {}
-    for row, p in enumerate(lengths):
-        if p < 1:
-            raise ValueError(f"sample {row} has no prompt tokens; LongStraw needs at least one.")
-        if offsets[row + 1] - offsets[row] <= p:
-            continue
-        tree = trees.setdefault(temperatures[row], Tree([], [], [], temperatures[row]))
-        tree.rows.append(row)
-        tree.sequences.append(values[offsets[row] : offsets[row + 1]])
-        tree.score_starts.append(int(p))
+    first = first_row
+    for data in micro_batches:
+        values = data["input_ids"].values()
+        offsets = data["input_ids"].offsets().tolist()
+        lengths = prompt_lengths(data).tolist()
+        temperatures = sample_temperatures(data, len(offsets) - 1)
+        for row, p in enumerate(lengths):
+            if p < 1:
+                raise ValueError(f"sample {row} has no prompt tokens; LongStraw needs at least one.")
+            if offsets[row + 1] - offsets[row] <= p:
+                continue
+            tree = trees.setdefault(temperatures[row], Tree([], [], [], temperatures[row]))
+            tree.rows.append(first + row)
+            tree.sequences.append(values[offsets[row] : offsets[row + 1]])
+            tree.score_starts.append(int(p))
+        first += len(data)
     return list(trees.values())
+
+
+class WalkRows:
+    """The rows of one walk: its micro-batches' rows numbered in order (row ``g`` is row ``g - first[m]`` of
+    micro-batch ``m``). A unit's ``rows`` are these numbers."""
+
+    def __init__(self, micro_batches: Sequence[TensorDict]):
+        self.micro_batches = list(micro_batches)
+        self.first = [0]
+        for data in self.micro_batches:
+            self.first.append(self.first[-1] + len(data))
+
+    def __len__(self) -> int:
+        return self.first[-1]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """(micro-batch index, row within it) of walk row ``row``."""
+        m = bisect.bisect_right(self.first, row) - 1
+        return m, row - self.first[m]
+
+    def of(self, m: int) -> range:
+        """The walk rows of micro-batch ``m``."""
+        return range(self.first[m], self.first[m + 1])
 
 
 def prompt_lengths(data: TensorDict) -> torch.Tensor:
@@ -103,8 +132,9 @@ def prompt_checksums(data: TensorDict, lengths: torch.Tensor) -> torch.Tensor:
     return torch.zeros(len(rows), dtype=torch.long, device=values.device).index_add_(0, row_of, terms)
 
 
-def regroup(data: TensorDict) -> list[Fragment]:
-    """Group the rows of a no-padding micro-batch by (uid, prompt tokens, temperature).
+def regroup(data: TensorDict, first_row: int = 0) -> list[Fragment]:
+    """Group the rows of a no-padding micro-batch by (uid, prompt tokens, temperature); a fragment's ``rows`` are
+    the micro-batch's rows plus ``first_row`` (its first row's number in a walk, ``WalkRows``).
 
     `input_ids` is a nested [B, P_i + T_i] tensor; each fragment keeps first-seen row order.
     Rows sharing a prompt but not a uid stay in separate fragments, as do rows whose
@@ -135,7 +165,8 @@ def regroup(data: TensorDict) -> list[Fragment]:
         for members in _same_prompt_runs(rows, prompts):
             first = offsets[members[0]]
             responses = [values[offsets[row] + p : offsets[row + 1]] for row in members]
-            fragments.append(Fragment(values[first : first + p], members, responses, temperature))
+            fragments.append(Fragment(values[first : first + p], [first_row + row for row in members], responses,
+                                      temperature))
     return fragments
 
 
