@@ -225,3 +225,29 @@ def test_preflight_walks_the_micro_batches_where_one_walk_would_not_fit(engines,
     assert metric_sum(metrics, "longstraw/fragments") == len(per_micro_batch)
     tokens = sum(p.tokens_forwarded("exact") for p in per_micro_batch)
     assert metric_sum(metrics, "longstraw/tokens_forwarded") == tokens
+
+
+@pytest.mark.parametrize("single_forward", [True, False], ids=["single_forward", "two_pass"])
+def test_dynamic_batch_sizes_match_fsdp2(engines, single_forward):
+    """veRL's use_dynamic_bsz (micro-batches packed by a token budget, rows reordered and restored): one walk over
+    the call, fsdp2's log-probs in veRL's row order and its parameters after a step with KL and entropy on."""
+    stock, longstraw = engines("qwen3")
+    td = TREE_BATCHES["multi_turn"](seed=5)
+    budget = int(td["input_ids"].offsets().diff().max()) + 8  # one or two rows per micro-batch
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+    a = infer(stock, td.clone(), 1)
+    b = infer(longstraw, td.clone(), 1)
+    for key in ("log_probs", "entropy"):
+        x, y = no_padding_2_padding(a["model_output"][key], td), no_padding_2_padding(b["model_output"][key], td)
+        assert (x - y).abs().max().item() <= TOL, key
+    assert metric_sum(b["metrics"], "longstraw/fragments") == len(prefix_trees([td]))
+    cfg_s, cfg_l = (actor_config(s, "seq-mean-token-mean", True, 0.01, 1) for s in ("fsdp2", "longstraw"))
+    knobs = longstraw.longstraw
+    longstraw.longstraw = dataclasses.replace(knobs, single_forward=single_forward)
+    try:
+        gs, ps, _ = train_step(stock, td.clone(), cfg_s, 1)
+        gl, pl, _ = train_step(longstraw, td.clone(), cfg_l, 1)
+    finally:
+        longstraw.longstraw = knobs
+    assert rel_diff(gl, gs) <= TOL
+    assert rel_diff(pl, ps) <= TOL
