@@ -169,3 +169,28 @@ def test_balance_groups_keeps_groups_whole():
     assert sorted(len(p) for p in parts) == [8, 8]
     for part in parts:
         assert len({group_of_key(keys[i]) for i in part}) == 2
+
+
+def test_balance_groups_places_a_shared_prefix_together():
+    """4 groups of 2 on 2 ranks, two system prompts (groups 0 and 2 begin with "a", 1 and 3 with "b"): each rank
+    gets one prompt's groups, so its walk shares that prompt; without prefixes the groups go by workload alone."""
+    from verl_longstraw.integration.trainer import balance_groups
+
+    groups = [f"uid{g}" for g in range(4) for _ in range(2)]
+    prefixes = ["a" if g % 2 == 0 else "b" for g in range(4) for _ in range(2)]
+    workloads = [4.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0]  # by workload alone: groups 0 + 3 and 1 + 2
+    by_load = balance_groups(groups, workloads, 2)
+    assert sorted(sorted({groups[i] for i in part}) for part in by_load) == [["uid0", "uid3"], ["uid1", "uid2"]]
+    parts = balance_groups(groups, workloads, 2, prefixes)
+    assert sorted(len(p) for p in parts) == [4, 4]
+    assert sorted(sorted({prefixes[i] for i in part}) for part in parts) == [["a"], ["b"]]
+
+
+def test_prompt_prefixes_cut_at_the_shared_length():
+    import torch
+
+    from verl_longstraw.integration.trainer import prompt_prefixes
+
+    prompts = torch.nested.nested_tensor([torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2]), torch.tensor([5, 6, 7])],
+                                         layout=torch.jagged)
+    assert prompt_prefixes(prompts, 3) == [(1, 2, 3), (1, 2), (5, 6, 7)]
