@@ -301,11 +301,6 @@ class Plan:
         """Tokens this rank captures in any walk (its part of every segment with children)."""
         return sum(self.segments[i].own_end - self.segments[i].own_start for i in self.captured)
 
-    @property
-    def distinct_tokens(self) -> int:
-        """Input positions of the forest, each shared position once."""
-        return sum(s.length for s in self.segments)
-
     def path(self, index: int) -> list[int]:
         """Segments from a root down to ``index``."""
         out = []

@@ -35,16 +35,14 @@ from .lora import base_model, check_lora
 
 @dataclass
 class SegmentContext:
-    """What every layer of one segment shares: positions, rotary tables, how the segment is split
+    """What every layer of one segment shares: rotary tables of its positions, how the segment is split
     over a context-parallel group (``sharding``; None: one process), scratch for the adapter.
 
     Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``kda_rule``, ``ssd_scan``
     and ``conv_input`` so one code path serves one process and a CP group.
     """
 
-    start: int  # position of the segment's first token
-    length: int  # tokens in the segment
-    cos: torch.Tensor  # [length, rotary_dim]
+    cos: torch.Tensor  # [S, rotary_dim]: the segment's S tokens
     sin: torch.Tensor
     sharding: SegmentSharding | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
@@ -329,12 +327,12 @@ class Adapter(ABC):
         rotary = getattr(self.backbone, "rotary_emb", None)
         if rotary is None:
             empty = h.new_zeros(length, 0)
-            return SegmentContext(start=start, length=length, cos=empty, sin=empty, sharding=sharding)
+            return SegmentContext(cos=empty, sin=empty, sharding=sharding)
         positions = torch.arange(start, start + length, device=h.device)[None]  # [1, length]
         if hasattr(rotary, "mrope_section"):  # multimodal rope (qwen3_5): text tokens at t = h = w = position;
             positions = positions.expand(3, 1, length)  # [3, 1, length] (transformers < 5.19 takes no [1, length])
         cos, sin = rotary(h, positions)
-        return SegmentContext(start=start, length=length, cos=cos[0], sin=sin[0], sharding=sharding)
+        return SegmentContext(cos=cos[0], sin=sin[0], sharding=sharding)
 
     def layer(
         self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
