@@ -12,8 +12,8 @@ Engines (fp32, SDPA, veRL's gradient checkpointing on, SGD lr 1e-6, as `bench_en
 - `tree`: the longstraw engine as configured by default (one process: the micro-batch's rows as prefix trees,
   `tree_log_probs` / `tree_backward`), with `min_shared_tokens` 64 x scale; in shape c with `response_chunk_size`
   2048 x scale (``--response-chunk-size``, in tokens at scale 1);
-- `star`: the same engine with its units forced to the GRPO groups (`regroup`, by uid and prompt) through
-  `group_log_probs` / `group_backward`: the path before prefix trees, what the engine runs under context
+- `star`: the same engine with its units forced to the GRPO groups (``StarEngine``: `regroup`, by uid and prompt)
+  through `group_log_probs` / `group_backward`: the path before prefix trees, what the engine runs under context
   parallelism; every distinct prompt is captured on its own;
 - `tree_unsegmented` (shape c only): `tree` with `response_chunk_size` None (the response replayed whole);
 - `fsdp2`: veRL's stock engine.
@@ -61,7 +61,10 @@ from bench_engine import (
     update_actor,
 )
 
+from verl_longstraw import capture_prompt, group_backward, group_log_probs
 from verl_longstraw.integration import testing
+from verl_longstraw.integration.engine import LongStrawEngine
+from verl_longstraw.integration.regroup import Fragment, regroup
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.tiny import VOCAB
 
@@ -156,7 +159,7 @@ def samples(shape: str, n: Lengths, gen: torch.Generator) -> tuple[list[torch.Te
 
 def engine_knobs(n: Lengths) -> dict[str, dict | None]:
     """The engines built per model: name -> longstraw knobs (None: fsdp2). ``star`` keeps the default knobs and
-    gets ``star_units``; ``tree_chunked`` is shape c's ``tree``."""
+    becomes a ``StarEngine``; ``tree_chunked`` is shape c's ``tree``."""
     tree = dict(min_shared_tokens=n.min_shared_tokens)
     return {FSDP2: None, STAR: {}, TREE: tree, "tree_chunked": dict(tree, response_chunk_size=n.response_chunk_size)}
 
@@ -170,9 +173,46 @@ def shape_engines(shape: str, fsdp2: bool = True) -> dict[str, str]:
     return {**engines, STAR: STAR, TREE: TREE}
 
 
-def star_units(walk, fragments: list) -> list[list]:
-    """The star path's units (replaces ``LongStrawEngine._walk_units``): every micro-batch's GRPO groups."""
-    return [fragments]
+class StarEngine(LongStrawEngine):
+    """The longstraw engine on the star path, the path before prefix trees: every micro-batch's GRPO groups (by
+    uid and prompt, ``regroup``), each run by ``group_log_probs`` / ``group_backward``. A two-pass step captures
+    each group's prompt once: its log-prob pass keeps the state (``capture_prompt``) and the backward reuses it,
+    so the states of the call's groups are alive together between the two passes."""
+
+    def _walk(self, walk, units, loss_function, forward_only, stats, walk_metrics):
+        self._keep_states = len(self._walk_modes(loss_function, forward_only)) == 2
+        self._states: dict[int, Any] = {}
+        try:
+            return super()._walk(walk, units, loss_function, forward_only, stats, walk_metrics)
+        finally:
+            self._states = {}
+
+    def _walk_units(self, walk) -> list[list[Fragment]]:
+        return [[f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]]
+
+    def _unit_plan(self, unit: Fragment):
+        return self._star_plan(unit)
+
+    def _unit_log_probs(self, unit: Fragment, with_entropy: bool, stats):
+        knobs, group = self.longstraw, self.get_context_parallel_group()
+        state = None
+        if self._keep_states:
+            state = capture_prompt(self.module, unit.prompt_ids, knobs.chunk_size, knobs.prompt_grad == "exact",
+                                   stats, group)
+            self._states[id(unit)] = state
+        return group_log_probs(self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature,
+                               chunk_size=knobs.chunk_size, return_entropy=with_entropy, stats=stats, state=state,
+                               cp_group=group, replay_tokens=knobs.replay_tokens)
+
+    def _unit_backward(self, unit: Fragment, loss_fn, with_entropy: bool, stats):
+        knobs = self.longstraw
+        with self._autocast():
+            return group_backward(
+                self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,
+                chunk_size=knobs.chunk_size, temperature=unit.temperature, with_entropy=with_entropy, stats=stats,
+                state=self._states.pop(id(unit), None), cp_group=self.get_context_parallel_group(),
+                state_grad_on_host=knobs.state_grad_on_host, replay_tokens=knobs.replay_tokens,
+            )
 
 
 def build(name: str, path: str, knobs: dict | None, rows: int):
@@ -184,7 +224,7 @@ def build(name: str, path: str, knobs: dict | None, rows: int):
         config = testing.actor_config("longstraw", "token-mean", False, 0.0, rows, **knobs)
     engine = testing.make_engine(config.strategy, path, config, rows, lr=1e-6)
     if name == STAR:
-        engine._walk_units = star_units
+        engine.__class__ = StarEngine  # the same built engine (model, optimizer), walking stars
     td = testing.make_batch(1, WARMUP["group"], prompt_len=(WARMUP["prompt"], WARMUP["prompt"] + 1),
                             response_len=(WARMUP["response"], WARMUP["response"] + 1))
     log_prob(engine, td.clone(), WARMUP["group"])

@@ -22,10 +22,7 @@ are veRL's (`FSDPEngineWithLMHead`). Only the computation of a `forward_backward
   gradient with respect to every token's log-prob/entropy, and backpropagate that through a backward walk
   per unit. By the chain rule this is the gradient of veRL's loss for any policy loss and `loss_agg_mode`;
   the cost is one extra forward per response and per shared segment of a tree (the backward walk captures
-  again what the log-prob walk captured: only one root-to-leaf path's state is ever held). Star units (a
-  ``_walk_units`` override) capture a prompt once per step instead: the log-prob pass keeps the state
-  (`capture_prompt`) and the backward reuses it, so the states of the call's groups are alive together
-  between the two passes.
+  again what the log-prob walk captured: only one root-to-leaf path's state is ever held).
 
 With `longstraw.context_parallel_size` R > 1 the ranks form CP groups of R consecutive ranks,
 FSDP2 sharding over the CP group (CP groups are replicas: HSDP). veRL dispatches by the data-parallel
@@ -65,17 +62,8 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
-from verl_longstraw import (
-    GroupResult,
-    GroupStats,
-    capture_prompt,
-    group_backward,
-    group_log_probs,
-    tree_backward,
-    tree_log_probs,
-)
+from verl_longstraw import GroupResult, GroupStats, tree_backward, tree_log_probs
 from verl_longstraw.adapters import Adapter, adapter_for, model_on_meta
-from verl_longstraw.api import PromptState
 from verl_longstraw.estimate import (
     GIB,
     MemoryEstimate,
@@ -105,8 +93,6 @@ from .regroup import (
     sample_uids,
     scatter_response_values,
 )
-
-Unit = Fragment | Tree  # what one walk runs: a prefix tree, or a GRPO group where ``_walk_units`` is overridden
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -241,7 +227,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             check_positions(micro_batch)
         # GRPO groups per micro-batch: the star path's units, the baseline `star_tokens_forwarded` counts
         fragments = [f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]
-        units, preflight = self._preflight(self._walk_units(walk, fragments), forward_only)
+        units, preflight = self._preflight(self._walk_units(walk), forward_only)
         walk_metrics: dict[str, Metric] = {}
         stats = GroupStats()
         expert_gradients = {} if forward_only else self._expert_gradients()
@@ -284,28 +270,28 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         two-pass step captures each prompt once)."""
         total = 0
         for frag in groups:
-            plan = self._unit_plan(frag)
+            plan = self._star_plan(frag)
             total += sum(plan.tokens_forwarded(mode) for mode in modes) - plan.captured_tokens * (len(modes) - 1)
         return total
 
-    def _unit_plan(self, unit: Unit) -> Plan:
-        """This rank's plan of one unit with the engine's knobs: a prefix tree's (``plan.tree_plan``, built once
-        per step and kept on the unit: the pre-flight estimate and every walk of the step read it) or a GRPO
-        group's star (``plan.star_plan``)."""
-        knobs, world = self.longstraw, self.cp_size
-        rank = comm.group_rank(self.get_context_parallel_group())
-        if isinstance(unit, Tree):
-            if unit.plan is None:
-                unit.plan = tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
-                                      knobs.min_shared_tokens, knobs.replay_tokens, world, rank)
-            return unit.plan
-        return star_plan(len(unit.prompt_ids), [len(r) for r in unit.responses], knobs.chunk_size,
-                         knobs.replay_tokens, world, rank)
+    def _unit_plan(self, unit: Tree) -> Plan:
+        """This rank's plan of a prefix tree with the engine's knobs (``plan.tree_plan``), built once per step and
+        kept on the unit: the pre-flight estimate and every walk of the step read it."""
+        if unit.plan is None:
+            knobs = self.longstraw
+            unit.plan = tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
+                                  knobs.min_shared_tokens, knobs.replay_tokens, self.cp_size,
+                                  comm.group_rank(self.get_context_parallel_group()))
+        return unit.plan
 
-    def _walk_units(self, walk: WalkRows, fragments: list[Fragment]) -> list[list[Unit]]:
+    def _star_plan(self, group: Fragment) -> Plan:
+        """This rank's plan of one GRPO group run as a star (``plan.star_plan``) with the engine's knobs."""
+        return star_plan(len(group.prompt_ids), [len(r) for r in group.responses], self.longstraw.chunk_size,
+                         self.longstraw.replay_tokens, self.cp_size, comm.group_rank(self.get_context_parallel_group()))
+
+    def _walk_units(self, walk: WalkRows) -> list[list[Tree]]:
         """The units of this call's walk, in the order the pre-flight check tries them: the prefix trees of all its
-        rows, then each micro-batch's trees. ``fragments`` (the micro-batches' GRPO groups, ``regroup``) serve an
-        override that runs the star path instead (``benchmarks/bench_tree.py``'s baseline)."""
+        rows, then each micro-batch's trees."""
         per_micro_batch = [t for m, mb in enumerate(walk.micro_batches) for t in prefix_trees([mb], walk.first[m])]
         return [prefix_trees(walk.micro_batches), per_micro_batch]
 
@@ -323,7 +309,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
-    def _preflight(self, candidates: list[list[Unit]], forward_only: bool) -> tuple[list[Unit], int]:
+    def _preflight(self, candidates: list[list[Tree]], forward_only: bool) -> tuple[list[Tree], int]:
         """The units this rank walks, and its step's estimated device bytes: the largest unit's (`estimate_plan` of
         the unit's plan, crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it
         holds unsharded (`estimate.unsharded_bytes`).
@@ -359,7 +345,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             raise MemoryError(f"rank {rank} failed the pre-flight check: {verdicts[rank]}")
         raise ValueError("no units to walk: _walk_units returned no candidate")
 
-    def _over_budget(self, unit: Unit, estimate: MemoryEstimate, model_bytes: int) -> Optional[str]:
+    def _over_budget(self, unit: Tree, estimate: MemoryEstimate, model_bytes: int) -> Optional[str]:
         """Why ``unit``'s walk does not fit (``estimate`` plus ``model_bytes`` against `longstraw.memory_budget_gb`
         or the device's free memory), naming the knobs; None when it fits."""
         budget_gb = self.longstraw.memory_budget_gb
@@ -379,7 +365,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             )
         return None
 
-    def _estimate(self, adapter: Adapter, unit: Unit, forward_only: bool) -> MemoryEstimate:
+    def _estimate(self, adapter: Adapter, unit: Tree, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
         forward-only step is sized as a detached one, which holds more than a log-prob walk)."""
         return estimate_plan(
@@ -389,7 +375,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             device_type=get_device_name(), expert_parallel=self.longstraw.expert_parallel,
         )
 
-    def _walk(self, walk: WalkRows, units: list[Unit], loss_function: Optional[Callable], forward_only: bool,
+    def _walk(self, walk: WalkRows, units: list[Tree], loss_function: Optional[Callable], forward_only: bool,
               stats: GroupStats, walk_metrics: dict[str, Metric]) -> list[dict]:
         """Log-probs (and entropy) of every row of ``walk`` (on the device) by walking ``units``, each micro-batch's
         loss, and, when training, the gradient. Returns veRL's per-micro-batch outputs (loss, its metrics, the
@@ -411,10 +397,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         with comm.trace_collectives() as collectives, self._trace_experts() as expert_bytes:
             if single:
                 log_probs, entropy = self._replay_once(units, walk, loss_function, calculate_entropy, stats)
-                states = []
             else:
-                log_probs, entropy, states = self._log_probs(units, len(walk), calculate_entropy, stats,
-                                                             keep_states=two_pass)
+                log_probs, entropy = self._log_probs(units, len(walk), calculate_entropy, stats)
 
         outputs, loss_grads = [], []
         for m, micro_batch in enumerate(walk.micro_batches):
@@ -435,7 +419,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             if any(grads[1] is not None for grads in loss_grads):
                 g_ent = [g for lp, ent in loss_grads for g in (ent if ent is not None else map(torch.zeros_like, lp))]
             with comm.trace_collectives() as backward_collectives, self._trace_experts() as backward_expert_bytes:
-                self._backward(units, states, g_lp, g_ent, stats)
+                self._backward(units, g_lp, g_ent, stats)
             collectives += backward_collectives
             expert_bytes += backward_expert_bytes
         walk_metrics.update(_stats_metrics(stats, collectives, expert_bytes))
@@ -496,54 +480,30 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                 raise ValueError(f"strategy=longstraw does not support {key}=True; turn it off for this actor.")
 
     def _log_probs(
-        self,
-        units: list[Unit],
-        batch_size: int,
-        calculate_entropy: bool,
-        stats: GroupStats,
-        keep_states: bool,
-    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]], list[Optional[PromptState]]]:
-        """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd;
-        None for rows without response tokens (in no unit).
-
-        With ``keep_states`` (training, two passes), also each unit's captured prompt state for the backward pass
-        (a GRPO group's, captured by ``capture_prompt``; None for a tree, whose backward walk captures again).
-        """
+        self, units: list[Tree], batch_size: int, calculate_entropy: bool, stats: GroupStats
+    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
+        """Per-row [T_i] float32 log-probs (and entropies) of the response tokens, no autograd; None for rows
+        without response tokens (in no unit)."""
         log_probs: list[Any] = [None] * batch_size
         entropy: Optional[list[Any]] = [None] * batch_size if calculate_entropy else None
-        states: list[Optional[PromptState]] = []
         with torch.no_grad(), self._autocast():
             for unit in units:
-                state = None
-                if keep_states and isinstance(unit, Fragment):
-                    state = capture_prompt(self.module, unit.prompt_ids, self.longstraw.chunk_size,
-                                           self.longstraw.prompt_grad == "exact", stats,
-                                           self.get_context_parallel_group())
-                states.append(state)
-                result = self._unit_log_probs(unit, calculate_entropy, stats, state)
+                result = self._unit_log_probs(unit, calculate_entropy, stats)
                 for k, row in enumerate(unit.rows):
                     log_probs[row] = result.log_probs[k].float()
                     if calculate_entropy:
                         entropy[row] = result.entropies[k].float()
-        return log_probs, entropy, states
+        return log_probs, entropy
 
-    def _unit_log_probs(
-        self, unit: Unit, with_entropy: bool, stats: GroupStats, state: Optional[PromptState]
-    ) -> GroupResult:
+    def _unit_log_probs(self, unit: Tree, with_entropy: bool, stats: GroupStats) -> GroupResult:
         """The log-prob walk of one unit with the engine's knobs and CP group."""
         knobs = self.longstraw
-        if isinstance(unit, Tree):
-            return tree_log_probs(
-                self.module, unit.sequences, unit.score_starts, temperature=unit.temperature,
-                chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
-                min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
-                replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
-                plan=self._unit_plan(unit),
-            )
-        return group_log_probs(
-            self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature, chunk_size=knobs.chunk_size,
-            return_entropy=with_entropy, stats=stats, state=state, cp_group=self.get_context_parallel_group(),
-            replay_tokens=knobs.replay_tokens,
+        return tree_log_probs(
+            self.module, unit.sequences, unit.score_starts, temperature=unit.temperature,
+            chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
+            min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
+            replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
+            plan=self._unit_plan(unit),
         )
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -554,37 +514,22 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         scaled = scaler.scale(loss) if scaler is not None else loss
         return scaled * self.cp_size if self.cp_size > 1 else scaled
 
-    def _unit_backward(
-        self,
-        unit: Unit,
-        loss_fn: Callable,
-        with_entropy: bool,
-        stats: GroupStats,
-        state: Optional[PromptState] = None,
-    ) -> GroupResult:
-        """The backward walk of one unit with the engine's knobs, CP group and compute dtype (``state``: a GRPO
-        group's prompt state captured by the log-prob pass, None to capture it here)."""
+    def _unit_backward(self, unit: Tree, loss_fn: Callable, with_entropy: bool, stats: GroupStats) -> GroupResult:
+        """The backward walk of one unit with the engine's knobs, CP group and compute dtype."""
         knobs = self.longstraw
         with self._autocast():
-            if isinstance(unit, Tree):
-                return tree_backward(
-                    self.module, unit.sequences, unit.score_starts, loss_fn, prompt_grad=knobs.prompt_grad,
-                    temperature=unit.temperature, chunk_size=knobs.chunk_size,
-                    response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
-                    with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
-                    replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
-                    plan=self._unit_plan(unit),
-                )
-            return group_backward(
-                self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,
-                chunk_size=knobs.chunk_size, temperature=unit.temperature, with_entropy=with_entropy, stats=stats,
-                state=state, cp_group=self.get_context_parallel_group(), state_grad_on_host=knobs.state_grad_on_host,
-                replay_tokens=knobs.replay_tokens,
+            return tree_backward(
+                self.module, unit.sequences, unit.score_starts, loss_fn, prompt_grad=knobs.prompt_grad,
+                temperature=unit.temperature, chunk_size=knobs.chunk_size,
+                response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
+                with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
+                replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
+                plan=self._unit_plan(unit),
             )
 
     def _replay_once(
         self,
-        units: list[Unit],
+        units: list[Tree],
         walk: WalkRows,
         loss_function: Callable,
         calculate_entropy: bool,
@@ -628,17 +573,12 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return log_probs, entropy
 
     def _backward(
-        self,
-        units: list[Unit],
-        states: list[Optional[PromptState]],
-        g_lp: list[torch.Tensor],
-        g_ent: Optional[list[torch.Tensor]],
-        stats: GroupStats,
+        self, units: list[Tree], g_lp: list[torch.Tensor], g_ent: Optional[list[torch.Tensor]], stats: GroupStats
     ) -> None:
         """Backpropagate the micro-batches' losses through every unit's backward walk, given per walk row
         d(loss)/d(token log-prob) ``g_lp`` and d(loss)/d(token entropy) ``g_ent`` ([T_i] each; None: the losses do
         not depend on the entropies)."""
-        for unit, state in zip(units, states, strict=True):
+        for unit in units:
 
             def loss_fn(i: int, logps: torch.Tensor, entropy: Optional[torch.Tensor] = None, unit=unit):
                 row = unit.rows[i]
@@ -647,7 +587,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
                     term = term + (g_ent[row] * entropy.float()).sum()
                 return term
 
-            self._unit_backward(unit, loss_fn, g_ent is not None, stats, state=state)
+            self._unit_backward(unit, loss_fn, g_ent is not None, stats)
 
 
 @EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=["cuda", "npu", "cpu"])
@@ -693,13 +633,10 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
     }
 
 
-def _describe(unit: Unit) -> str:
-    """What a unit is, for an error message: a tree's rows and lengths, a GRPO group's prompt and responses."""
-    if isinstance(unit, Tree):
-        return (f"the prefix tree of {len(unit.rows)} rows (longest {max(len(s) for s in unit.sequences)} tokens, "
-                f"prompts of {min(unit.score_starts)}-{max(unit.score_starts)} tokens)")
-    return (f"the group of a {len(unit.prompt_ids)}-token prompt and {len(unit.responses)} responses (longest "
-            f"{max(len(r) for r in unit.responses)} tokens)")
+def _describe(unit: Tree) -> str:
+    """What a unit is, for an error message: its rows and lengths."""
+    return (f"the prefix tree of {len(unit.rows)} rows (longest {max(len(s) for s in unit.sequences)} tokens, "
+            f"prompts of {min(unit.score_starts)}-{max(unit.score_starts)} tokens)")
 
 
 def _device_model() -> str:
