@@ -39,12 +39,13 @@ class LongStrawConfig(BaseConfig):
             when veRL's loss is a sum of per-response terms (``integration.losses.splits_by_response``:
             ppo_loss with vanilla, gspo, gpg, ... policy losses); other losses, or false, take the
             two-pass path (a no-grad replay to evaluate the loss, then a replay with autograd).
-        min_shared_tokens: rows of a micro-batch whose token ids share a prefix of at least this many tokens
-            share its segments (captured once, recomputed once), whatever produced them: a GRPO group's prompt, a
-            system prompt across groups, per-turn samples, branched rollouts (``verl_longstraw.plan.tree_plan``).
+        min_shared_tokens: rows of an engine call (all of veRL's micro-batches of this rank's mini-batch) whose
+            token ids share a prefix of at least this many tokens share its segments (captured once, recomputed
+            once), whatever produced them: a GRPO group's prompt, a system prompt across groups, per-turn samples,
+            branched rollouts (``verl_longstraw.plan.tree_plan``).
             Shorter common prefixes are run inside each row: a segment of its own costs two more model calls
-            (capture and recompute), more than replaying a few dozen tokens per row. Default 64. One process only
-            (under context parallelism the GRPO groups are the unit).
+            (capture and recompute), more than replaying a few dozen tokens per row. Default 64. Under context
+            parallelism the R ranks of a CP group walk the same trees.
         response_chunk_size: a scored leaf (a response) longer than this replays as a chain of segments of this
             many tokens, captured and recomputed like a chunked prompt, so a long response holds one segment's
             graph instead of its whole length's; None (default) replays each response whole. One process only.
