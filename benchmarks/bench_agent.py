@@ -35,18 +35,17 @@ import torch
 from bench_engine import (
     MODELS,
     ROOT,
-    _code_lines,
     _scalar,
     code_version,
     log_prob,
     restart_in_measurement_env,
     update_actor,
 )
-from bench_tree import build, measure_trimmed, uptime
+from bench_tree import build, measure_trimmed, run_lines, uptime
 
 from verl_longstraw.integration import testing
 from verl_longstraw.integration.engine import LongStrawEngine
-from verl_longstraw.machine import describe, machine
+from verl_longstraw.machine import machine
 from verl_longstraw.tiny import VOCAB
 
 if __name__ == "__main__":
@@ -155,11 +154,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# One tree per mini-batch vs trees per micro-batch vs the star path (veRL 0.9.1 engine, CPU, fp32)",
         "",
-        f"Command: `{result['command']}`  ",
-        f"Machine at the start: {describe(result['machine'])}; torch threads {result['torch_threads']}  ",
-        f"`uptime` at the start: {result['uptime_start']}  ",
-        f"`uptime` at the end: {result.get('uptime_end', '-')}  ",
-        *_code_lines(result),
+        *run_lines(result),
         f"Runtime: {result.get('runtime_s', 0):.0f} s. Scale {result['scale']}.",
         "",
         f"Batch: {n.tasks} tasks x {n.trials} trials, one row per trajectory: system prompt {n.system} + task "

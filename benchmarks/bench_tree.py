@@ -321,16 +321,23 @@ def uptime() -> str:
         return ""
 
 
-def markdown(result: dict) -> str:
-    n = Lengths(**result["lengths"])
-    lines = [
-        "# Prefix trees vs the star path vs fsdp2 (veRL 0.9.1 engines, CPU, fp32, one process)",
-        "",
+def run_lines(result: dict) -> list[str]:
+    """A report's lines on the run: its command, machine, load at its start and end, and the code measured."""
+    return [
         f"Command: `{result['command']}`  ",
         f"Machine at the start: {describe(result['machine'])}; torch threads {result['torch_threads']}  ",
         f"`uptime` at the start: {result['uptime_start']}  ",
         f"`uptime` at the end: {result.get('uptime_end', '-')}  ",
         *_code_lines(result),
+    ]
+
+
+def markdown(result: dict) -> str:
+    n = Lengths(**result["lengths"])
+    lines = [
+        "# Prefix trees vs the star path vs fsdp2 (veRL 0.9.1 engines, CPU, fp32, one process)",
+        "",
+        *run_lines(result),
         f"Runtime: {result.get('runtime_s', 0):.0f} s. Scale {result['scale']} (every length x {result['scale']}; "
         "issue 19's sizes at scale 1).",
         "",
