@@ -311,8 +311,12 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
                                                             plan.segments[last].rank_rows[0], True)
         assert (e.replay_backward_transient_bytes, e.prompt_backward_transient_bytes) == (replay, prompt)
         assert e.transient_bytes == max(e.score_block_bytes, replay, prompt)
-        assert e.total_bytes == (e.state_bytes + e.device_state_grad_bytes + e.saved_peak_bytes
-                                 + e.state_leaf_grad_bytes + e.transient_bytes)
+        # the backward peak: the state, the gradients held then, that step's saves less the state buffers it saves
+        # as views (already in the state) and the largest transient; the total: it or a no-grad capture's peak
+        assert e.backward_bytes == (e.state_bytes + e.backward_grad_bytes + e.backward_peak_saved_bytes
+                                    - e.saved_state_bytes + e.transient_bytes)
+        assert e.backward_grad_bytes <= e.device_state_grad_bytes + e.state_leaf_grad_bytes
+        assert e.total_bytes == max(e.backward_bytes, e.capture_peak_bytes)
     mla = estimate_memory(tiny_config("deepseek_v3"), prompt_len, 8, response_len, chunk, "exact", torch.bfloat16,
                           cp_size=cp_size)
     assert mla.replay_backward_transient_bytes == mla.prompt_backward_transient_bytes == 0
@@ -410,3 +414,29 @@ def test_glm_5_2_shared_indexer_state_per_token():
     per_token = {name: estimate_memory(c, 4097, 1, 8, None, "exact", torch.bfloat16).state_bytes / 4096 / 1024
                  for name, c in (("glm5", full), ("glm5.2", shared))}
     assert per_token == {"glm5": 107.25, "glm5.2": 93.0}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_capture_peak_and_step_total_match_allocation_meter(chunk_size):
+    """``capture_peak_bytes`` is the no-grad capture's peak as ``memory.AllocationMeter`` counts it, exactly (the
+    rotary tables, the layers' returned state rows, the MLP half's hidden-wide tensors; with chunks the store
+    opened by the first chunk's write); and a whole step's peak (capture, then ``group_backward`` on its state) is
+    within 20 % of ``total_bytes``, which counts the state buffers the attention saves as views only once."""
+    model = tiny_model("qwen3")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    prompt_len = 257
+    prompt, responses = make_group(VOCAB, prompt_len, (RESPONSE_LEN, RESPONSE_LEN))
+    for mode in ("detached", "exact"):
+        estimate = estimate_memory(model.config, prompt_len, 2, RESPONSE_LEN, chunk_size, mode, torch.float32,
+                                   replay_tokens=RESPONSE_LEN, device_type="cpu")
+        with AllocationMeter() as capture_meter:
+            state = capture_prompt(model, prompt, chunk_size, for_backward=mode == "exact")
+        assert capture_meter.peak == estimate.capture_peak_bytes, (mode, capture_meter.peak)
+        del state
+        with AllocationMeter() as step_meter:
+            state = capture_prompt(model, prompt, chunk_size, for_backward=mode == "exact")
+            group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, state=state,
+                           replay_tokens=RESPONSE_LEN)
+        ratio = estimate.total_bytes / step_meter.peak
+        assert 0.8 <= ratio <= 1.2, (mode, ratio)

@@ -29,7 +29,14 @@ process):
   gathered outputs and the float32 reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention``
   count for the device kind ``device_type`` (``fused_backward_transient_bytes``,
   ``sharded_fused_backward_transient_bytes``).
-``total_bytes`` is what the rank's device holds at the peak, ``host_bytes`` what it keeps on the host.
+- ``capture_peak_bytes``: the largest moment of a no-grad capture (``_Shapes.capture_transient``: the rotary
+  tables, the state rows its layers returned so far, the hidden-wide tensors of one decoder layer's MLP half), beside
+  the state stored before it (none before the first capture's write).
+``total_bytes`` is what the rank's device holds at the peak, the larger of the backward steps' peak
+(``backward_bytes``) and the captures'; the backward peak is the step whose saves (less ``saved_state_bytes``: the
+prompt state's own buffers, which the attention saves as views and ``state_bytes`` already counts) and the state
+gradients held then are the most: every sum after the walk's first backward, during it those that exist
+(``PathState`` makes each on its layer's first gradient). ``host_bytes`` is what it keeps on the host.
 
 Nothing here re-derives what another module owns: each layer's token mixer (kind, the attention op's call shape,
 the output gate) is its adapter's ``Mixer`` (``adapters.adapter_on_meta`` for a config alone), each attention call's
@@ -136,6 +143,16 @@ class MemoryEstimate:
     # or recomputed chunk's own rows, a replay batch's padded tokens): what one MoE layer's token exchange carries
     all_to_all_bytes: int = 0  # expert parallelism: the send and receive buffers of the largest MoE-layer call's
     # token exchange (``ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
+    saved_state_bytes: int = 0  # of the saved bytes of the backward step at the peak, the state buffers its attention
+    # saves as views (``_Shapes.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
+    backward_grad_bytes: int | None = None  # the state-gradient bytes on the device at the backward peak's step
+    # (None: all of them, ``device_state_grad_bytes + state_leaf_grad_bytes + in_flight_bytes``); fewer when the
+    # peak is the walk's first backward, before whose end not every sum exists (``PathState`` makes each on its first
+    # gradient)
+    backward_peak_saved_bytes: int | None = None  # the saved bytes of the backward step at the peak (None:
+    # ``saved_peak_bytes``)
+    capture_peak_bytes: int = 0  # device bytes at the largest moment of a no-grad capture: the state stored before
+    # it, any state-gradient sums, and ``_Shapes.capture_transient`` of its chunk
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -159,12 +176,22 @@ class MemoryEstimate:
                    self.all_to_all_bytes)
 
     @property
+    def backward_bytes(self) -> int:
+        """Device bytes at the peak of the backward steps (replays and recomputes): the state, the state-gradient
+        bytes held then (``backward_grad_bytes``), the saved bytes of that step less the state buffers it saves as
+        views (``saved_state_bytes``, counted in the state), and the largest transient (``transient_bytes``; each
+        phase's transients counted at their largest)."""
+        grads = self.backward_grad_bytes
+        if grads is None:
+            grads = self.device_state_grad_bytes + self.state_leaf_grad_bytes + self.in_flight_bytes
+        saved = self.saved_peak_bytes if self.backward_peak_saved_bytes is None else self.backward_peak_saved_bytes
+        return self.state_bytes + grads + saved - self.saved_state_bytes + self.transient_bytes
+
+    @property
     def total_bytes(self) -> int:
-        """Device bytes at the peak: state, state-gradient sums unless on the host, the saved peak and the
-        gradients a backward hands the state, and the largest transient (``transient_bytes``; each phase's
-        transients counted at their largest)."""
-        return (self.state_bytes + self.device_state_grad_bytes + self.saved_peak_bytes + self.state_leaf_grad_bytes
-                + self.in_flight_bytes + self.transient_bytes)
+        """Device bytes at the peak: the larger of the backward steps' peak (``backward_bytes``) and the no-grad
+        captures' (``capture_peak_bytes``); they happen at different moments."""
+        return max(self.backward_bytes, self.capture_peak_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -205,6 +232,10 @@ class _Shapes:
             m: window_attention_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, m.window)
             for m in set(mixers) if m.kind == "window_attention"
         }
+        # the rotary tables' width (``Adapter.context``: cos and sin [tokens, rotary dim]); 0 without a rotary module
+        rotary = getattr(adapter.backbone, "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        self.rotary_dim = 2 * inv_freq.shape[-1] if inv_freq is not None else 0
         # activation bytes one token saves per layer, read for every step of a plan: computed once
         self.layer_token_bytes = [self.token_bytes(idx) for idx in range(len(mixers))]
 
@@ -350,6 +381,52 @@ class _Shapes:
                                                              m.kv_heads, m.qk_dim, sizes, rank, prefix, consecutive)
             largest = max(largest, one)
         return largest
+
+    def state_views(self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool, batch: int = 1,
+                    layers: Collection[int] | None = None) -> int:
+        """Of what ``segment_saved`` counts for the same segment, the bytes that are the prompt state's own buffers:
+        the attention paths that save their inputs (fused, blocked, pass-Q under CP) save the prefix keys/values,
+        which are views of the state's ``Rows`` buffer (``state.kinds.Rows.read``), so they hold no memory besides
+        the state (``state_bytes``). Read off the ops' own cost functions: what ``ops.attention.
+        attention_saved_bytes`` (one process) or ``parallel.attention.sharded_attention_saved_bytes`` (CP) count for
+        the prefix buffer. Window-attention layers (their past is a copy) count none."""
+        views = 0
+        for idx in range(len(self.kinds)) if layers is None else sorted(layers):
+            kind = self.kinds[idx]
+            if kind not in ("attention", "mla"):
+                continue
+            if last_layer_stops and idx == len(self.kinds) - 1:  # its attention does not run
+                break
+            buffer = self.attended_row_bytes[idx] * state_len
+            if self.cp_size > 1:
+                views += buffer
+                continue
+            call = self.attention_call(self.mixers[idx], batch, tokens, prefix)
+            own_kv = self.attended_row_bytes[idx] * batch * tokens
+            views += attention_saved_bytes(call, buffer, own_kv).own - attention_saved_bytes(call, 0, own_kv).own
+        return views
+
+    def capture_transient(self, tokens: int, last_layer_stops: bool, state_rows: Sequence[int]) -> int:
+        """Bytes a no-grad capture of ``tokens`` (``execute._Walk._capture``: ``run_segment`` under
+        ``torch.no_grad``) holds at its largest moment besides the stored state, counted from what ``run_segment``
+        and ``Adapter.layer`` keep alive: the rotary tables (cos and sin, [tokens, rotary dim] each, model dtype),
+        the segment state every layer run so far returned (``state_rows``: its bytes per layer; the store copies
+        them only after the forward), and inside one decoder layer's MLP half, which holds the most hidden-wide
+        tensors: the layer's input ``h``, the mixer's output, their sum and the post-attention norm's output
+        (4 x hidden), then either the gated MLP's activation, up projection and their product (3 x MLP width) or,
+        as its down projection returns, the product and the MLP output (MLP width + hidden). Nothing is saved for
+        backward. The last layer of an unscored segment runs no MLP (``run_segment``'s ``need_output``). Not
+        counted: the token mixer's own intermediates (in the dense attention layers measured the MLP half holds
+        more) and MoE routing buffers."""
+        hidden = self.config.hidden_size
+        rotary = 2 * self.rotary_dim * tokens * self.act
+        layers = len(self.kinds) - 1 if last_layer_stops else len(self.kinds)
+        largest = 0
+        for idx in range(layers):
+            m = self.mlp_widths[idx]
+            live = tokens * self.act * (4 * hidden + max(3 * m, m + hidden))
+            largest = max(largest, sum(state_rows[: idx + 1]) + live)
+        return rotary + largest
 
     def saved(
         self,
@@ -546,6 +623,58 @@ def estimate_plan(
         staging = staging_nbytes(specs, rows, dtype)
         leaf_grad = max(sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs)
 
+    # per layer: its state-gradient sums on the device and the gradient its backward hands its state leaves
+    layer_sums = [0] * len(specs)
+    layer_leaf_grads = [0] * len(specs)
+    if mode == "exact" and grads_held:
+        layer_sums = [0 if state_grad_on_host else sum(s.path_nbytes(rows, grads_held, grad_dtype)
+                                                       for s in layer if s.differentiable) for layer in specs]
+        layer_leaf_grads = [sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs]
+    in_flight = staging if state_grad_on_host else 0
+    all_grads = sum(layer_sums) + leaf_grad + in_flight  # held at a backward after the walk's first
+
+    def first_backward_grads(layer_saved: Sequence[int]) -> int:
+        """The state-gradient bytes at the largest moment of the walk's first backward step: ``PathState`` makes
+        each sum on its layer's first gradient, so while layer j's backward hands its state the gradient
+        (``PathState._add_grad``), the sums of layers j and above exist and the saves of the layers above have been
+        freed (``layer_saved``: each layer's saves, less the state buffers among them); the largest over j."""
+        if not any(layer_sums) and not leaf_grad:
+            return 0
+        largest, sums_above, freed_above = 0, 0, 0
+        for j in reversed(range(len(specs))):
+            sums_above += layer_sums[j]
+            largest = max(largest, sums_above + layer_leaf_grads[j] + in_flight - freed_above)
+            freed_above += layer_saved[j]
+        return largest
+
+    def per_layer_saved(step_shapes: _Shapes, tokens: int, queries: int, prefix: int, stops: bool,
+                        consecutive: bool, batch: int) -> list[int]:
+        """Each layer's saves of a step (pass-Q included), less the state buffers it saves as views."""
+        return [step_shapes.pass_q_saved(queries, stops, {idx})
+                + step_shapes.segment_saved(tokens, prefix, rows, stops, consecutive, {idx}, batch)
+                - step_shapes.state_views(tokens, prefix, rows, stops, batch, {idx}) for idx in range(len(specs))]
+
+    # the backward step at the peak: its saved bytes less the state views, plus the state-gradient bytes held then
+    peak_moment = peak_saved = peak_views = peak_grads = None
+    backward_seen = written = False
+    capture_peak = 0
+
+    def backward_step(step_shapes: _Shapes, saved: int, tokens: int, queries: int, prefix: int, stops: bool,
+                      consecutive: bool, batch: int) -> None:
+        nonlocal peak_moment, peak_saved, peak_views, peak_grads, backward_seen
+        # checkpointed: the saved figure is the layer inputs plus one layer's saves, not calibrated against a meter
+        # (see ``estimate_memory``); its terms are kept as they were: no views taken out, every gradient counted
+        views = 0 if checkpointed else step_shapes.state_views(tokens, prefix, rows, stops, batch)
+        if backward_seen or checkpointed:
+            grads = all_grads
+        else:
+            grads = first_backward_grads(per_layer_saved(step_shapes, tokens, queries, prefix, stops,
+                                                                       consecutive, batch))
+        moment = saved - views + grads
+        if peak_moment is None or moment > peak_moment:
+            peak_moment, peak_saved, peak_views, peak_grads = moment, saved, views, grads
+        backward_seen = True
+
     hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves
     replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
     batch_most, call_tokens = 1, 0
@@ -563,6 +692,7 @@ def estimate_plan(
             saved += batch * tokens * hidden_bytes
             if saved > replay:
                 replay, replay_pass_q = saved, pass_q
+            backward_step(alone, saved, tokens, queries, prefix, False, False, batch)
             replay_transient = max(replay_transient, alone.fused_backward_transient(
                 batch, tokens, prefix, sizes if step.split is not None else [tokens], rank, consecutive=False))
             score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens),
@@ -580,12 +710,18 @@ def estimate_plan(
         score_block = max(score_block, shapes.pass_q_score_block(segment.length, rows))
         if segment.scored:
             score_block = max(score_block, score_transient_bytes(config.vocab_size, own))
+        if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient
+            own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
+            held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
+            capture_peak = max(capture_peak, held + shapes.capture_transient(own, not segment.scored, own_rows))
+            written = True
         if step.phase == "recompute":
             saved, pass_q = shapes.saved(own, segment.length, prefix, rows, last_layer_stops=not segment.scored,
                                          consecutive=True, checkpointed=checkpointed)
             saved += own * hidden_bytes if segment.scored else 0
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
+            backward_step(shapes, saved, own, segment.length, prefix, not segment.scored, True, 1)
             backward_transient = max(backward_transient, shapes.fused_backward_transient(
                 1, own, prefix, sizes, rank, consecutive=True))
     captured = [plan.segments[i].length for i in plan.captured]
@@ -607,6 +743,10 @@ def estimate_plan(
         staging_bytes=staging,
         layer_call_tokens=call_tokens,
         all_to_all_bytes=expert_exchange(adapter.model, call_tokens, dtype).transient_bytes if expert_parallel else 0,
+        saved_state_bytes=peak_views or 0,
+        backward_grad_bytes=peak_grads,
+        backward_peak_saved_bytes=peak_saved,
+        capture_peak_bytes=capture_peak,
     )
     detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
                                                                  state_grad_on_host, checkpointed, device_type,
@@ -901,7 +1041,8 @@ def gpu_table(
     ``estimate_memory`` (checkpointed when ``run.checkpointing``). ``adapter``/``params``:
     ``adapters.adapter_on_meta(config)`` and ``parameter_counts(config)`` when already built. The unsharded-gradient
     row is an upper bound (two units' gradients and their reduce-scatter copies at once). Not counted: the CUDA
-    context, NCCL buffers, allocator fragmentation, the no-grad capture's transients and the optimizer step (AdamW
+    context, NCCL buffers, allocator fragmentation, the no-grad capture's transients (the pre-flight row's
+    ``total_bytes`` counts them) and the optimizer step (AdamW
     moments that ``optimizer_offload`` keeps on the host come back to the device for it)."""
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     n, r, ep = params if params is not None else parameter_counts(config, run.lora), run.cp_size, run.expert_parallel
