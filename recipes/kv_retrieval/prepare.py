@@ -66,6 +66,104 @@ def model_config(vocab_size: int, tokenizer, hidden: int = 128, layers: int = 4,
     )
 
 
+# ---------------------------------------------------------------- warm-start pieces (also used by recipes/tool_lookup)
+def torch_threads(threads: int | None = None) -> int:
+    """Set and return torch's threads for a warm-up: ``threads``, or all cores if the machine is idle, else the
+    cores left free by its load (oversubscribed OpenMP threads are several times slower than one)."""
+    import torch
+
+    if threads is None:
+        cores = os.cpu_count() or 1
+        threads = cores if os.getloadavg()[0] < 0.5 else max(1, cores - int(os.getloadavg()[0] + 0.5))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments every recipe's prepare.py shares: the model's size, the warm-up's threads, seed, --force."""
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for the warm-up (default: all cores if the machine is idle, else 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true")
+
+
+def pad_batch(seqs: list[tuple[list[int], list[int]]], pad_id: int):
+    """(ids, labels) tensors of ``(ids, labels)`` sequences, right-padded (ids with ``pad_id``, labels with -100)."""
+    import torch
+
+    L = max(len(x) for x, _ in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), L), -100, dtype=torch.long)
+    for i, (x, y) in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+    return ids, labels
+
+
+def spent(step: int, steps: int, t0: float, time_budget_s: float | None) -> float:
+    """The fraction of a warm-up's budget spent at ``step`` (started at ``t0``): of its ``steps`` or of its time
+    ``time_budget_s`` (None: no time cap), whichever is further; 1 or more: the budget is spent."""
+    frac = step / steps
+    if time_budget_s:
+        frac = max(frac, (time.time() - t0) / time_budget_s)
+    return frac
+
+
+def set_lr(opt, lr: float, warm: float, frac: float) -> None:
+    """Linear warm-up factor ``warm``, then cosine from ``lr`` to 0.2 x ``lr`` over ``frac`` in [0, 1]."""
+    for g in opt.param_groups:
+        g["lr"] = lr * warm * (0.5 * (1 + math.cos(math.pi * min(frac, 1.0))) * 0.8 + 0.2)
+
+
+def supervised_step(model, opt, ids, labels):
+    """One supervised step (loss on ``labels`` != -100, gradient clipped at 1); returns the model's output."""
+    import torch
+
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return out
+
+
+def keep_best(best: dict, score: float, step: int, model, target: float | None, what: str) -> tuple[dict, bool]:
+    """(the best held-out state so far, whether ``score`` reached ``target``), printed (``what``: the score's name):
+    ``best`` is ``{"score", "state", "step"}``, replaced by the model's current state when ``score`` beats it or
+    reaches the target (the state at which the warm-up stops)."""
+    reached = target is not None and score >= target
+    if score > best["score"] or reached:
+        best = {"score": score, "step": step, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    print(f"[warm-up] {what}={score:.3f} (best {best['score']:.3f} at step {best['step']})", flush=True)
+    if reached:
+        print(f"[warm-up] reached the target {target:.2f}: stopping", flush=True)
+    return best, reached
+
+
+def restore_best(model, best: dict, hist: list[dict], key: str, what: str, note: str = "") -> None:
+    """Load the state ``keep_best`` kept (if any) and record it in ``hist`` (its score under ``key``)."""
+    if best["state"] is not None:
+        model.load_state_dict(best["state"])
+        hist.append({"best_step": best["step"], key: round(best["score"], 4)})
+        print(f"[warm-up] keeping step {best['step']} ({what} {best['score']:.3f}{note})", flush=True)
+
+
+def save_model(model, tok, model_dir: str, task_json: str, hist: list[dict]) -> None:
+    """The warm-started model and its tokenizer as the HF folder veRL and vLLM load, and ``warmup.json`` (the task's
+    config and the warm-up's history), the marker that the model is done."""
+    os.makedirs(model_dir, exist_ok=True)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with open(os.path.join(model_dir, "warmup.json"), "w") as f:
+        json.dump({"task": json.loads(task_json), "history": hist}, f, indent=1)
+    print(f"[prepare] model saved -> {model_dir}", flush=True)
+
+
 def encode_example(tokenizer, ex: dict) -> tuple[list[int], list[int]]:
     """Prompt ids (chat template, generation prompt) and answer ids (value + eos)."""
     msgs = [{"role": "user", "content": ex["content"]}]
@@ -143,9 +241,7 @@ def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, l
     model.train()
     hist, t0 = [], time.time()
     for step in range(1, steps + 1):
-        frac = step / steps
-        if time_budget_s:
-            frac = max(frac, (time.time() - t0) / time_budget_s)
+        frac = spent(step, steps, t0, time_budget_s)
         # curriculum: the longest prompt grows geometrically from min_pairs to max_pairs over
         # the first 80% of the budget; batches hold about tokens_per_step tokens.
         hi = min_pairs * (max_pairs / min_pairs) ** min(1.0, frac / 0.8)
@@ -158,21 +254,10 @@ def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, l
                 seqs.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
         else:
             seqs = [multi_query_sequence(tokenizer, rng, cfg, n, queries) for _ in range(b)]
-        L = max(len(x) for x, _ in seqs)
-        ids = torch.full((b, L), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full((b, L), -100, dtype=torch.long)
-        for i, (x, y) in enumerate(seqs):
-            ids[i, : len(x)] = torch.tensor(x)
-            labels[i, : len(y)] = torch.tensor(y)
-        warm = min(1.0, step / 20)
-        for g in opt.param_groups:
-            g["lr"] = lr * warm * (0.5 * (1 + math.cos(math.pi * min(frac, 1.0))) * 0.8 + 0.2)
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        done = step == steps or (time_budget_s is not None and time.time() - t0 > time_budget_s)
+        ids, labels = pad_batch(seqs, tokenizer.pad_token_id)
+        set_lr(opt, lr, min(1.0, step / 20), frac)
+        out = supervised_step(model, opt, ids, labels)
+        done = spent(step, steps, t0, time_budget_s) >= 1
         if step % log_every == 0 or done:
             with torch.no_grad():
                 pred = out.logits[:, :-1].argmax(-1)
@@ -186,22 +271,12 @@ def warm_start(model, tokenizer, cfg: task.TaskConfig, steps: int, batch: int, l
                   f"(chance 0.10) {rec['elapsed_s']:.0f}s", flush=True)
         if eval_size and (done or (frac > 0.4 and step % eval_every == 0)):
             score = evaluate()
-            reached = target is not None and score >= target
-            if score > best["score"] or reached:
-                best = {"score": score, "step": step,
-                        "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-            print(f"[warm-up] held-out at {cfg.num_pairs} pairs: p(correct digit)={score:.3f} "
-                  f"(best {best['score']:.3f} at step {best['step']})", flush=True)
-            if reached:
-                print(f"[warm-up] reached the target {target:.2f}: stopping", flush=True)
-                done = True
+            best, reached = keep_best(best, score, step, model, target,
+                                      f"held-out at {cfg.num_pairs} pairs: p(correct digit)")
+            done = done or reached
         if done:
             break
-    if best["state"] is not None:
-        model.load_state_dict(best["state"])
-        hist.append({"best_step": best["step"], "heldout_p_correct_digit": round(best["score"], 4)})
-        print(f"[warm-up] keeping step {best['step']} (held-out p(correct digit) {best['score']:.3f}, "
-              f"chance 0.10)", flush=True)
+    restore_best(model, best, hist, "heldout_p_correct_digit", "held-out p(correct digit)", ", chance 0.10")
     model.eval()
     return hist
 
@@ -218,8 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-memory-block", type=int, default=0,
                     help="N > 0: every N consecutive prompts share one document, each asking another key "
                          "(run.sh: MEMORY=shared, N = BATCH); --train-size and --val-size multiples of N")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--warmup-steps", type=int, default=460,
                     help="supervised steps (the target usually ends it sooner)")
     ap.add_argument("--warmup-target", type=float, default=0.3,
@@ -231,10 +305,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-max-pairs", type=int, default=None, help="default: --num-pairs")
     ap.add_argument("--warmup-time-budget", type=float, default=600.0,
                     help="seconds; caps the warm-up on a slow machine (0: no limit)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads for the warm-up (default: all cores if the machine is idle, else 1)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     block = args.shared_memory_block
     if block < 0:
@@ -244,13 +314,7 @@ def main(argv=None) -> int:
             ap.error(f"{flag} {size} is not a multiple of --shared-memory-block {block}: a step's batch must be "
                      f"one whole document; give a multiple of {block}")
 
-    import torch
-
-    threads = args.threads
-    if threads is None:  # oversubscribed OpenMP threads are several times slower than one
-        cores = os.cpu_count() or 1
-        threads = cores if os.getloadavg()[0] < 0.5 else max(1, cores - int(os.getloadavg()[0] + 0.5))
-    torch.set_num_threads(threads)
+    torch_threads(args.threads)
     cfg = task.TaskConfig(num_keys=args.num_keys, value_len=args.value_len, num_pairs=args.num_pairs,
                           num_query_keys=args.num_query_keys, seed=args.seed)
     wd = os.path.abspath(args.workdir)
@@ -271,6 +335,7 @@ def main(argv=None) -> int:
 
     done = os.path.join(model_dir, "warmup.json")
     if args.force or not os.path.exists(done):
+        import torch
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(args.seed)
@@ -287,15 +352,7 @@ def main(argv=None) -> int:
                               queries=args.warmup_queries, seed=args.seed,
                               time_budget_s=args.warmup_time_budget or None, target=args.warmup_target or None,
                               shared_memory_block=block)
-        os.makedirs(model_dir, exist_ok=True)
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.generation_config.bos_token_id = None
-        model.save_pretrained(model_dir)
-        tok.save_pretrained(model_dir)
-        with open(done, "w") as f:
-            json.dump({"task": json.loads(cfg.to_json()), "history": hist}, f, indent=1)
-        print(f"[prepare] model saved -> {model_dir}", flush=True)
+        save_model(model, tok, model_dir, cfg.to_json(), hist)
     else:
         print(f"[prepare] model present: {model_dir}", flush=True)
     return 0

@@ -15,6 +15,7 @@ set -euo pipefail
 
 RECIPE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$RECIPE/../.." && pwd)"
+KV="$RECIPE"  # grpo_job.sh's name for this folder
 VENV="${VENV:-$REPO/.venv-cpu}"
 MEMORY="${MEMORY:-per_prompt}"  # per_prompt: a document per prompt; shared: one per step's BATCH prompts
 STRATEGY="${STRATEGY:-longstraw}"
@@ -56,45 +57,16 @@ say "2/4 data, tokenizer, tiny Qwen3-Next model and supervised warm start ($WORK
 run "$PY" "$RECIPE/prepare.py" --workdir "$WORKDIR" --num-pairs "$NUM_PAIRS" \
     --warmup-steps "$WARMUP_STEPS" --warmup-time-budget "$WARMUP_SECONDS" "${PREPARE_MEMORY[@]}"
 
-CKPT_DIR="$WORKDIR/checkpoints"
-read -r STATE DONE_STEPS < <("$PY" "$RECIPE/summarize.py" state --workdir "$WORKDIR" --total-steps "$STEPS")
-
-# veRL's file logger truncates its file on open: one file per attempt, merged by the summary.
-mkdir -p "$WORKDIR/metrics" "$WORKDIR/logs"
-STAMP="$(date +%Y%m%d-%H%M%S)"
-
+source "$RECIPE/grpo_job.sh"
+grpo_state
 if [[ "$STATE" == done ]]; then
     say "3/4 training already finished ($DONE_STEPS/$STEPS steps checkpointed in $CKPT_DIR)"
 else
-    if [[ "$STATE" == resume ]]; then
-        say "3/4 GRPO: resuming from checkpoint global_step_$DONE_STEPS (of $STEPS), strategy=$STRATEGY"
-    else
-        say "3/4 GRPO: $STEPS steps x $BATCH prompts x 8 responses, strategy=$STRATEGY, memory=$MEMORY"
-    fi
-    echo "    full log: $WORKDIR/logs/train-$STAMP.log"
-    export VLLM_CPU_OMP_THREADS_BIND=auto VLLM_TARGET_DEVICE=cpu
-    # The trainer runs with Ray's one OpenMP thread per worker (vLLM binds its own, line above). Measured
-    # on 2 cores: a second trainer thread saved 8% of a step on an otherwise idle machine, and made steps
-    # ~5x slower whenever another process used a core (spinning threads wait on the descheduled one).
-    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-    export PYTHONPATH="$RECIPE${PYTHONPATH:+:$PYTHONPATH}"
-    export VERL_USE_EXTERNAL_MODULES=cpu_compat
-    export VERL_FILE_LOGGER_PATH="$WORKDIR/metrics/attempt-$STAMP.jsonl"
-    export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 PYTHONWARNINGS=ignore
+    grpo_start "$STEPS steps x $BATCH prompts x 8 responses, strategy=$STRATEGY, memory=$MEMORY"
     # configs/recipe/kv_retrieval.yaml holds the job's fixed settings; the command line only what
-    # the knobs above set. longstraw: on the shipped longstraw_grpo config; fsdp2: on veRL's ppo_trainer.
-    CONFIGS="$("$PY" -m verl_longstraw.configs)"
-    if [[ "$STRATEGY" == "longstraw" ]]; then
-        CONFIG=(--config-path "$CONFIGS" --config-name longstraw_grpo)
-    else
-        CONFIG=(--config-dir "$CONFIGS")
-        # veRL registers its FSDP engine for cuda/npu only; it runs unchanged on CPU.
-        export VERL_ENGINE_DEVICE=cuda
-    fi
+    # the knobs above set.
     MAX_PROMPT=$(( NUM_PAIRS * 4 + 64 ))
-    cd "$WORKDIR"
-    set +e
-    run "$PY" -m verl.trainer.main_ppo "${CONFIG[@]}" +recipe=kv_retrieval \
+    grpo_train "${CONFIG[@]}" +recipe=kv_retrieval \
         data.train_files="$WORKDIR/data/train.parquet" data.val_files="$WORKDIR/data/val.parquet" \
         data.train_batch_size="$BATCH" data.max_prompt_length="$MAX_PROMPT" \
         actor_rollout_ref.rollout.max_model_len=$(( MAX_PROMPT + 64 )) \
@@ -102,15 +74,7 @@ else
         actor_rollout_ref.actor.strategy="$STRATEGY" actor_rollout_ref.actor.optim.lr="$LR" \
         reward.custom_reward_function.path="$RECIPE/reward.py" \
         trainer.experiment_name="$STRATEGY" trainer.total_training_steps="$STEPS" \
-        trainer.save_freq="$SAVE_FREQ" trainer.default_local_dir="$CKPT_DIR" "${TRAIN_MEMORY[@]}" \
-        "$@" 2>&1 | "$PY" "$RECIPE/summarize.py" follow --log "$WORKDIR/logs/train-$STAMP.log" --total-steps "$STEPS"
-    rc=${PIPESTATUS[0]}
-    set -e
-    if (( rc != 0 )); then
-        echo "main_ppo exited with status $rc; the full log is $WORKDIR/logs/train-$STAMP.log." >&2
-        echo "Re-run the same command to resume from the last checkpoint." >&2
-        exit "$rc"
-    fi
+        trainer.save_freq="$SAVE_FREQ" trainer.default_local_dir="$CKPT_DIR" "${TRAIN_MEMORY[@]}" "$@"
 fi
 
 say "4/4 summary"
