@@ -64,17 +64,30 @@ def trajectory(builder, tok, prompt: list[dict], table: dict, keys: list[str], a
     return ids[:prompt_len], ids[prompt_len:], mask
 
 
-def correct_trajectory(builder, tok, row: dict, table: dict, follow_ups: list[dict] = ()
-                       ) -> tuple[list[int], list[int], list[int]]:
-    """``trajectory`` of the right lookups and answer for a data row, then for the rows ``follow_ups`` (their
-    questions asked in turn)."""
+# What a demonstration does on a question: the right two lookups and the second record's value; a guess (no lookup,
+# a random value); or one lookup and the first record's value (stopping a hop short).
+RIGHT, GUESS, ONE_LOOKUP = "right", "guess", "one_lookup"
 
-    def episode(r: dict) -> tuple[str, list[str], str]:
-        key = r["extra_info"]["key"]
-        return r["prompt"][-1]["content"], [key, table[key]["next"]], r["reward_model"]["ground_truth"]
 
-    _, keys, answer = episode(row)
-    return trajectory(builder, tok, row["prompt"], table, keys, answer, tuple(episode(r) for r in follow_ups))
+def demonstration(row: dict, table: dict, kind: str = RIGHT, rng=None) -> tuple[list[str], str]:
+    """(keys looked up, final answer) of a ``kind`` demonstration for a data row (``rng``: the guess's digits)."""
+    key = row["extra_info"]["key"]
+    if kind == RIGHT:
+        return [key, table[key]["next"]], row["reward_model"]["ground_truth"]
+    if kind == ONE_LOOKUP:
+        return [key], table[key]["value"]
+    if kind == GUESS:
+        return [], " ".join(rng.choice(task.DIGITS) for _ in range(len(table[key]["value"].split())))
+    raise ValueError(f"demonstration kind {kind!r}: expected one of {RIGHT!r}, {GUESS!r}, {ONE_LOOKUP!r}")
+
+
+def demonstrated_trajectory(builder, tok, row: dict, table: dict, follow_ups: list[dict] = (), kind: str = RIGHT,
+                            rng=None) -> tuple[list[int], list[int], list[int]]:
+    """``trajectory`` of a ``kind`` demonstration (``demonstration``) for a data row, then of the right lookups and
+    answers for the rows ``follow_ups`` (their questions asked in turn)."""
+    keys, answer = demonstration(row, table, kind, rng)
+    more = tuple((r["prompt"][-1]["content"], *demonstration(r, table)) for r in follow_ups)
+    return trajectory(builder, tok, row["prompt"], table, keys, answer, more)
 
 
 def decision_positions(response: list[int], mask: list[int], tok) -> list[int]:
@@ -85,19 +98,31 @@ def decision_positions(response: list[int], mask: list[int], tok) -> list[int]:
 
 
 def warm_start(model, tok, builder, table: dict, cfg, steps: int, batch: int, lr: float, questions: int = 1,
-               seed: int = 0, time_budget_s: float | None = None, target: float | None = None, eval_every: int = 10,
-               eval_size: int = 16, log_every: int = 10) -> list[dict]:
-    """Supervised steps on correct trajectories (model turns only; ``questions`` questions asked in turn per
+               shortcuts: dict[str, float] | None = None, seed: int = 0, time_budget_s: float | None = None,
+               target: float | None = None, eval_every: int = 10, eval_size: int = 16, log_every: int = 10
+               ) -> list[dict]:
+    """Supervised steps on demonstrations (model turns only; ``questions`` questions asked in turn per
     conversation, so one system prompt serves several lookups), stopped at the first held-out evaluation whose
-    mean p(correct) over the copied tokens (``decision_positions``) reaches ``target``: GRPO starts from a policy
-    that has the tool-call format and gets part of the lookups right, with room to learn the rest."""
+    mean p(correct) over the copied tokens of right trajectories (``decision_positions``) reaches ``target``.
+
+    ``shortcuts``: the fraction of conversations whose first question (the one RL asks) is demonstrated by a
+    ``GUESS`` or a ``ONE_LOOKUP`` instead of the right two lookups; the follow-up questions are always right. GRPO
+    starts from a policy that has the tool-call format, copies keys and values part of the time, and takes a
+    shortcut on a fraction of its first questions: it has both to learn."""
+    import random
+
     import torch
 
     torch.manual_seed(seed)
+    rng = random.Random(f"demonstrations-{seed}")
+    kinds, weights = zip(*({RIGHT: 1.0 - sum((shortcuts or {}).values()), **(shortcuts or {})}).items(), strict=True)
+    if min(weights) < 0:
+        raise ValueError(f"shortcuts {shortcuts}: fractions must be >= 0 and sum to at most 1")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
 
-    def encode(rows, questions: int = 1):
-        seqs = [correct_trajectory(builder, tok, rows[i], table, rows[i + 1: i + questions])
+    def encode(rows, questions: int = 1, demonstrate: bool = False):
+        seqs = [demonstrated_trajectory(builder, tok, rows[i], table, rows[i + 1: i + questions],
+                                        rng.choices(kinds, weights)[0] if demonstrate else RIGHT, rng)
                 for i in range(0, len(rows), questions)]
         # labels: the model's turns only
         ids, labels = kv.pad_batch(
@@ -125,7 +150,7 @@ def warm_start(model, tok, builder, table: dict, cfg, steps: int, batch: int, lr
         # curriculum: the catalog in the system prompt grows from 16 keys to the table's over the first 60%
         catalog = int(min(len(table), 16 * (len(table) / 16) ** min(1.0, frac / 0.6)))
         rows = task.make_rows(table, batch * questions, f"warmup-{step}", seed, catalog=catalog)
-        ids, labels, _ = encode(rows, questions)
+        ids, labels, _ = encode(rows, questions, demonstrate=True)
         out = kv.supervised_step(model, opt, ids, labels)
         done = kv.spent(step, steps, t0, time_budget_s) >= 1
         if step % log_every == 0 or done:
@@ -148,7 +173,7 @@ def warm_start(model, tok, builder, table: dict, cfg, steps: int, batch: int, lr
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="runs/tool_lookup")
-    ap.add_argument("--num-records", type=int, default=256,
+    ap.add_argument("--num-records", type=int, default=128,
                     help="records in the table (system prompt ~3 x num + 140 tokens)")
     ap.add_argument("--train-size", type=int, default=1024)
     ap.add_argument("--val-size", type=int, default=32)
@@ -161,6 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-questions", type=int, default=4,
                     help="questions per warm-up conversation (the first as in RL, then follow-ups)")
     ap.add_argument("--warmup-lr", type=float, default=3e-3)
+    ap.add_argument("--guess-fraction", type=float, default=0.5,
+                    help="warm-up conversations whose first question is answered by a guess, with no lookup")
+    ap.add_argument("--one-lookup-fraction", type=float, default=0.3,
+                    help="warm-up conversations whose first question is answered after one lookup (a hop short)")
     ap.add_argument("--warmup-time-budget", type=float, default=360.0, help="seconds (0: no limit)")
     args = ap.parse_args(argv)
     kv.torch_threads(args.threads)
@@ -210,7 +239,9 @@ def main(argv=None) -> int:
         hist = []
         if args.warmup_steps > 0:
             hist = warm_start(model, tok, builder, table, cfg, args.warmup_steps, args.warmup_batch, args.warmup_lr,
-                              questions=args.warmup_questions, seed=args.seed,
+                              questions=args.warmup_questions,
+                              shortcuts={GUESS: args.guess_fraction, ONE_LOOKUP: args.one_lookup_fraction},
+                              seed=args.seed,
                               time_budget_s=args.warmup_time_budget or None, target=args.warmup_target or None)
         kv.save_model(model, tok, model_dir, cfg.to_json(), hist)
     else:

@@ -6,7 +6,7 @@
 #   bash recipes/tool_lookup/run.sh
 #
 # Knobs (environment): WORKDIR, STRATEGY (longstraw|fsdp2), STEPS, BATCH, NUM_RECORDS, LR, SAVE_FREQ,
-# WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), WARMUP_TARGET, VENV.
+# WARMUP_STEPS, WARMUP_SECONDS (time cap of the warm-up), WARMUP_TARGET, GUESS_FRACTION, ONE_LOOKUP_FRACTION, VENV.
 # Extra arguments are passed to main_ppo as Hydra overrides, e.g.
 # `bash recipes/tool_lookup/run.sh trainer.total_training_steps=5`.
 set -euo pipefail
@@ -19,12 +19,14 @@ WORKDIR="${WORKDIR:-$REPO/runs/tool_lookup}"
 STRATEGY="${STRATEGY:-longstraw}"
 STEPS="${STEPS:-30}"
 BATCH="${BATCH:-4}"                # questions per step; x8 trajectories each (GRPO group size 8)
-NUM_RECORDS="${NUM_RECORDS:-256}"  # records in the table; the system prompt lists their keys (~910 tokens)
+NUM_RECORDS="${NUM_RECORDS:-128}"  # records in the table; the system prompt lists their keys (527 tokens)
 LR="${LR:-3e-4}"
 SAVE_FREQ="${SAVE_FREQ:-5}"
 WARMUP_STEPS="${WARMUP_STEPS:-300}"
 WARMUP_SECONDS="${WARMUP_SECONDS:-360}"
 WARMUP_TARGET="${WARMUP_TARGET:-0.6}"  # held-out p(correct copied digit) that ends the warm start
+GUESS_FRACTION="${GUESS_FRACTION:-0.5}"            # warm-start first questions answered by a guess, no lookup
+ONE_LOOKUP_FRACTION="${ONE_LOOKUP_FRACTION:-0.3}"  # ... answered after one lookup, a hop short
 RESPONSE_LENGTH=80                     # two calls + two tool answers + the answer: 56 tokens
 PY="$VENV/bin/python"
 T0=$(date +%s)
@@ -38,7 +40,8 @@ run env VENV="$VENV" bash "$REPO/scripts/setup_cpu_env.sh"
 
 say "2/4 records table, data, tokenizer, tiny Qwen3-Next model and warm start on the tool-call format ($WORKDIR)"
 run "$PY" "$RECIPE/prepare.py" --workdir "$WORKDIR" --num-records "$NUM_RECORDS" --warmup-steps "$WARMUP_STEPS" \
-    --warmup-time-budget "$WARMUP_SECONDS" --warmup-target "$WARMUP_TARGET"
+    --warmup-time-budget "$WARMUP_SECONDS" --warmup-target "$WARMUP_TARGET" \
+    --guess-fraction "$GUESS_FRACTION" --one-lookup-fraction "$ONE_LOOKUP_FRACTION"
 
 source "$KV/grpo_job.sh"  # grpo_state, grpo_start, grpo_train: kv_retrieval's GRPO job
 grpo_state

@@ -71,6 +71,12 @@ def report(workdir: str, window: int | None, png: str | None) -> dict:
               f"{_fmt(row['tokens'], 8, 0)} {_fmt(row['star'], 8, 0)} {_fmt(row['unshared'], 9, 0)} "
               f"{_fmt(row.get('tokens/star'), 9, 2)} {_fmt(row.get('tokens/unshared'), 9, 2)} "
               f"{_fmt(row.get('star/unshared'), 9, 2)}", flush=True)
+    turns = [steps[s].get(TURNS) for s in steps]
+    w = out["window"]
+    if all(t is not None for t in turns[:w] + turns[-w:]):
+        out.update(turns_start=kv._mean(turns[:w]), turns_end=kv._mean(turns[-w:]))
+        print(f"[summary] turns       first {w} steps {out['turns_start']:.2f}  ->  last {w} steps "
+              f"{out['turns_end']:.2f} per trajectory (6: two lookups and the answer)", flush=True)
     means = {}
     for key in ("tokens", "star", "unshared"):
         values = [r[key] for r in tokens if r[key] is not None]

@@ -87,7 +87,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TaskConfig:
-    num_records: int = 256  # records in the table; the catalog in the system prompt lists their keys
+    num_records: int = 128  # records in the table; the catalog in the system prompt lists their keys
     key_len: int = 3  # digits per key (keys are spelled digit by digit, like values)
     value_len: int = 3  # digits per value
     seed: int = 0

@@ -4,8 +4,8 @@ summary; the longstraw engine == stock fsdp2 on the recipe's own agent-loop batc
 where the tool's answers are; and a 2-step run of `bash recipes/tool_lookup/run.sh` (LONGSTRAW_E2E=0 skips it).
 
 What tests/integration already covered for response_mask holes, and what this file adds:
-- covered: ``testing.make_batch`` (one masked token in one response; tests/integration/test_engine.py) and
-  ``testing.multi_turn_batch`` / ``branched_batch`` (two masked tokens per per-turn sample, masked tokens in shared
+- covered: ``verl_harness.make_batch`` (one masked token in one response; tests/integration/test_engine.py) and
+  ``verl_harness.multi_turn_batch`` / ``branched_batch`` (two masked tokens per per-turn sample, masked tokens in shared
   trunks; tests/integration/test_tree_engine.py): log-probs on every position, gradients and parameters vs fsdp2.
 - added here: GRPO groups of ToolAgentLoop trajectories (several multi-token tool answers per response, mask 0, built
   by veRL's own Continuous Token builder from the recipe's chat template), one long system prompt shared across the
@@ -109,7 +109,7 @@ def test_trajectory_masks_tool_answers_and_reward_scores_the_model_only(recipe):
     tool answer, which is not credited."""
     _, table, tok, builder = recipe
     [row] = task.make_rows(table, 1, "train")
-    _, response, mask = prepare.correct_trajectory(builder, tok, row, table)
+    _, response, mask = prepare.demonstrated_trajectory(builder, tok, row, table)
     words = tok.convert_ids_to_tokens(response)
     model_words = [w for w, m in zip(words, mask, strict=True) if m]
     key, truth = row["extra_info"]["key"], row["reward_model"]["ground_truth"]
@@ -138,11 +138,38 @@ def test_trajectory_masks_tool_answers_and_reward_scores_the_model_only(recipe):
                                                                                                    + 0.5)
 
 
+def test_shortcut_demonstrations_score_below_the_right_one(recipe):
+    """The warm start's shortcuts on a first question: a guess calls no tool and answers digits, one lookup answers
+    the first record's value; both are well-formed trajectories the reward scores below the right one, and the
+    follow-up questions of a conversation are always demonstrated right."""
+    _, table, tok, builder = recipe
+    row, follow_up = task.make_rows(table, 2, "train")
+    key, truth, info = row["extra_info"]["key"], row["reward_model"]["ground_truth"], row["extra_info"]
+    scores = {}
+    for kind in (prepare.RIGHT, prepare.GUESS, prepare.ONE_LOOKUP):
+        _, response, mask = prepare.demonstrated_trajectory(builder, tok, row, table, [follow_up], kind,
+                                                            random.Random(0))
+        first = tok.decode(response, skip_special_tokens=True).split(" user ")[0]
+        calls = reward.called_keys(first)
+        assert calls == {prepare.RIGHT: [key, table[key]["next"]], prepare.GUESS: [],
+                         prepare.ONE_LOOKUP: [key]}[kind]
+        scores[kind] = reward.compute_score(task.DATA_SOURCE, first, truth, info)["score"]
+        model_words = " ".join(w for w, m in zip(tok.convert_ids_to_tokens(response), mask, strict=True) if m)
+        hop = follow_up["extra_info"]["key"]
+        assert model_words.endswith(f"{task.call_text(hop)} <|im_end|> {task.call_text(table[hop]['next'])} "
+                                    f"<|im_end|> {follow_up['reward_model']['ground_truth']} <|im_end|>")
+    assert scores[prepare.RIGHT] == 1.0
+    assert scores[prepare.ONE_LOOKUP] < 0.5 and scores[prepare.GUESS] <= 0.5
+    with pytest.raises(ValueError, match="demonstration kind"):
+        prepare.demonstration(row, table, "skip")
+
+
 def test_summary_prints_tokens_against_star_and_unshared(tmp_path, capsys):
     (tmp_path / "metrics").mkdir()
     with open(tmp_path / "metrics" / "attempt-a.jsonl", "w") as f:
         for step in (1, 2, 3):
-            data = {"critic/score/mean": 0.1 * step, "timing_s/step": 10.0, "timing_s/gen": 4.0, "num_turns/mean": 6.0,
+            data = {"critic/score/mean": 0.1 * step, "timing_s/step": 10.0, "timing_s/gen": 4.0,
+                    "num_turns/mean": 4.0 + step,
                     "actor/longstraw/tokens_forwarded": 1000.0, "actor/longstraw/star_tokens_forwarded": 2500.0}
             if step > 1:  # an engine that logs the unshared count
                 data["actor/longstraw/unshared_tokens_forwarded"] = 8000.0
@@ -153,8 +180,10 @@ def test_summary_prints_tokens_against_star_and_unshared(tmp_path, capsys):
                                                     "tokens/star": 0.4, "tokens/unshared": 0.125,
                                                     "star/unshared": 2500 / 8000})
     assert "[summary]    2   0.200   6.00     1000     2500      8000      0.40      0.12      0.31" in printed
-    assert "[summary]    1   0.100   6.00     1000     2500         -      0.40         -         -" in printed
+    assert "[summary]    1   0.100   5.00     1000     2500         -      0.40         -         -" in printed
     assert "[summary] reward      first 1 steps 0.100  ->  last 1 steps 0.300" in printed
+    assert "[summary] turns       first 1 steps 5.00  ->  last 1 steps 7.00 per trajectory" in printed
+    assert (out["turns_start"], out["turns_end"]) == (5.0, 7.0)
 
 
 def _dry_run(tmp_path: Path, **knobs: str) -> list[str]:
