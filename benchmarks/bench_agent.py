@@ -4,7 +4,7 @@ trajectories (CPU, one process, issue 32).
 The batch: G_n tasks x G trials (default 8 x 4), one row per trajectory (veRL's multi-turn layout). Every prompt is
 one system prompt with the tool schemas (3712 tokens) ++ its task's user turn (256); the trials diverge at their
 first assistant turn. A response is ``turns`` (default 3) rounds of an assistant turn (96 tokens) and a tool output
-(160, response mask 0: no loss term), then an answer (64). The rows are shuffled (``testing.samples_batch``) and
+(160, response mask 0: no loss term), then an answer (64). The rows are shuffled (``verl_harness.samples_batch``) and
 veRL cuts them into micro-batches of G rows.
 
 Engines (the longstraw engine, fp32, SDPA, gradient checkpointing, SGD lr 1e-6, as ``bench_tree.py``):
@@ -43,9 +43,9 @@ from bench_engine import (
 )
 from bench_tree import build, measure_trimmed, run_lines, uptime
 
-from verl_longstraw.integration import testing
 from verl_longstraw.integration.engine import LongStrawEngine
 from verl_longstraw.machine import machine
+from verl_longstraw.testing import verl_harness as testing
 from verl_longstraw.tiny import VOCAB
 
 if __name__ == "__main__":

@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from verl_longstraw import capture_prompt, group_backward
+from verl_longstraw import Knobs, capture_prompt, group_backward
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.testing import make_group
+from verl_longstraw.testing.compare import make_group
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
 from verl_longstraw.tiny import VARIANTS, VOCAB, tiny_config, tiny_model
 
@@ -81,7 +81,7 @@ def run_path(model, path: str, prompt, responses) -> None:
     else:
         chunk = -(-(len(prompt) - 1) // CHUNKS) if path == "chunked_exact" else None
         mode = "detached" if path == "detached" else "exact"
-        group_backward(model, prompt, responses, grpo_loss, prompt_grad=mode, chunk_size=chunk)
+        group_backward(model, prompt, responses, grpo_loss, knobs=Knobs(prompt_grad=mode, chunk_size=chunk))
 
 
 def measure_one(family: str, prompt_len: int, group_size: int, response_len: int, path: str) -> dict:

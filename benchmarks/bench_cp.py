@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import verl_longstraw.execute as execute
-from verl_longstraw import GroupStats, capture_prompt, group_backward, group_log_probs
+from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
@@ -41,7 +41,7 @@ from verl_longstraw.ops.fused_attention import fused_kernel_dtype
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import star_plan
-from verl_longstraw.testing import make_group
+from verl_longstraw.testing.compare import make_group
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
 FAMILIES = ("qwen3", "qwen3_5", "deepseek_v3")
@@ -106,13 +106,14 @@ def measure_group(model, prompt_len: int, group_size: int, response_len: int, ch
     stats = {phase: GroupStats() for phase in ("capture", "replay_log_probs", "train")}
     with parameter_meter(model) as meter:
         with comm.trace_collectives() as capture_records:
-            state = capture_prompt(model, prompt, chunk_size, stats=stats["capture"], cp_group=group)
+            state = capture_prompt(model, prompt, stats=stats["capture"], cp_group=group,
+                                   knobs=Knobs(chunk_size=chunk_size))
         with comm.trace_collectives() as log_prob_records:
-            group_log_probs(model, prompt, responses, chunk_size=chunk_size, stats=stats["replay_log_probs"],
-                            state=state, cp_group=group)
+            group_log_probs(model, prompt, responses, stats=stats["replay_log_probs"], state=state, cp_group=group,
+                            knobs=Knobs(chunk_size=chunk_size))
         with comm.trace_collectives() as train_records, prompt_backward_trace() as backward_records:
-            group_backward(model, prompt, responses, grpo_loss, chunk_size=chunk_size, stats=stats["train"],
-                           state=state, cp_group=group)
+            group_backward(model, prompt, responses, grpo_loss, stats=stats["train"], state=state, cp_group=group,
+                           knobs=Knobs(chunk_size=chunk_size))
     replay_records = train_records[: len(train_records) - len(backward_records)]
     assert replay_records + backward_records == train_records, "the prompt backward is group_backward's last phase"
     return dict(
@@ -178,7 +179,8 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
                 if backward:  # the tails' gradients are summed in float32
                     counter["reduce_scatter"] += maps + tails * f // b
 
-    plan = star_plan(prompt_len, response_lens, chunk_size, world=world, rank=0)  # the ranks' tokens per step
+    # the ranks' tokens per step
+    plan = star_plan(prompt_len, response_lens, Knobs(chunk_size=chunk_size), world=world, rank=0)
     for step in plan.steps("exact"):
         if step.phase == "release":
             continue

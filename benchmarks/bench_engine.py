@@ -67,9 +67,9 @@ import torch.distributed as dist  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from verl_longstraw.integration import testing  # noqa: E402
 from verl_longstraw.machine import describe, machine  # noqa: E402
 from verl_longstraw.parallel.launch import run_ranks  # noqa: E402
+from verl_longstraw.testing import verl_harness as testing  # noqa: E402
 
 ENGINES = ("fsdp2", "longstraw")
 # --baseline: the longstraw engine on the path before issue 12's throughput work, in the same run: training

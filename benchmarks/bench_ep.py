@@ -64,10 +64,10 @@ from bench_engine import (
 )
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-from verl_longstraw.integration import testing
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.parallel import experts
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.testing import verl_harness as testing
 
 if __name__ == "__main__":
     restart_in_measurement_env()  # bench_engine's measurement environment

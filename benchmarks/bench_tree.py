@@ -62,10 +62,10 @@ from bench_engine import (
 )
 
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
-from verl_longstraw.integration import testing
 from verl_longstraw.integration.engine import LongStrawEngine
 from verl_longstraw.integration.regroup import Fragment, regroup
 from verl_longstraw.machine import describe, machine
+from verl_longstraw.testing import verl_harness as testing
 from verl_longstraw.tiny import VOCAB
 
 if __name__ == "__main__":
@@ -187,31 +187,28 @@ class StarEngine(LongStrawEngine):
         finally:
             self._states = {}
 
-    def _walk_units(self, walk) -> list[list[Fragment]]:
-        return [[f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]]
+    def _walk_units(self, walk) -> list[Callable[[], list[Fragment]]]:
+        return [lambda: [f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]]
 
     def _unit_plan(self, unit: Fragment):
         return self._star_plan(unit)
 
     def _unit_log_probs(self, unit: Fragment, with_entropy: bool, stats):
-        knobs, group = self.longstraw, self.get_context_parallel_group()
+        knobs, group = self.longstraw.knobs, self.get_context_parallel_group()
         state = None
         if self._keep_states:
-            state = capture_prompt(self.module, unit.prompt_ids, knobs.chunk_size, knobs.prompt_grad == "exact",
-                                   stats, group)
+            state = capture_prompt(self.module, unit.prompt_ids, for_backward=knobs.prompt_grad == "exact",
+                                   stats=stats, cp_group=group, knobs=knobs)
             self._states[id(unit)] = state
         return group_log_probs(self.module, unit.prompt_ids, unit.responses, temperature=unit.temperature,
-                               chunk_size=knobs.chunk_size, return_entropy=with_entropy, stats=stats, state=state,
-                               cp_group=group, replay_tokens=knobs.replay_tokens)
+                               return_entropy=with_entropy, stats=stats, state=state, cp_group=group, knobs=knobs)
 
     def _unit_backward(self, unit: Fragment, loss_fn, with_entropy: bool, stats):
-        knobs = self.longstraw
         with self._autocast():
             return group_backward(
-                self.module, unit.prompt_ids, unit.responses, loss_fn, prompt_grad=knobs.prompt_grad,
-                chunk_size=knobs.chunk_size, temperature=unit.temperature, with_entropy=with_entropy, stats=stats,
-                state=self._states.pop(id(unit), None), cp_group=self.get_context_parallel_group(),
-                state_grad_on_host=knobs.state_grad_on_host, replay_tokens=knobs.replay_tokens,
+                self.module, unit.prompt_ids, unit.responses, loss_fn, temperature=unit.temperature,
+                with_entropy=with_entropy, stats=stats, state=self._states.pop(id(unit), None),
+                cp_group=self.get_context_parallel_group(), knobs=self.longstraw.knobs,
             )
 
 

@@ -21,8 +21,8 @@ Stages:
   model type and each ``CONFIG_VARIANTS`` entry) against the float32 standard full-sequence path: replay log-probs
   (``group_log_probs``) and chunked exact gradients (``group_backward``) of the model cast to bfloat16, in float32
   under ``torch.autocast(bfloat16)`` as veRL's engine runs it (both no worse than the standard path's own error
-  there, ``verl_longstraw.testing.no_worse_than_standard``), and in float32 (within TOLERANCE); the half-precision
-  rows route every token to every expert (``every_expert``), the float32 rows keep the model's routing;
+  there, ``testing.compare.no_worse_than_standard``), and in float32 (within TOLERANCE); the half-precision rows
+  route every token to every expert (``every_expert``), the float32 rows keep the model's routing;
 - fsdp2: a world-size-1 process group (gloo on CPU, nccl on CUDA), every decoder layer and the root
   ``fully_shard``-ed with veRL's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; as the
   engine does, parameters held unsharded (``held_unsharded``) under autocast, exact ``group_backward``, gradients
@@ -30,8 +30,8 @@ Stages:
   path, bounded by the standard path's error on the same wrapped model under the same policy.
 Rows run newest case first and bfloat16 -> autocast -> float32 (the float32 rows run on CUDA the code the CPU tests
 already ran). The standard path's Gated DeltaNet and Kimi Delta Attention in the equivalence and FSDP2 stages are
-the token-by-token references (``verl_longstraw.testing.reference_linear_attention``: transformers would take fla's
-TF32 kernels whenever fla imports), and float32 runs without TF32. flash-linear-attention, where it imports on CUDA,
+the token-by-token references (``testing.compare.reference_linear_attention``: transformers would take fla's TF32
+kernels whenever fla imports), and float32 runs without TF32. flash-linear-attention, where it imports on CUDA,
 is warmed at each shape a row runs before the row's clock starts.
 
 A row that overruns its time is interrupted (SIGALRM) and recorded as ``{"skipped": "time limit"}``, one out of
@@ -82,7 +82,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
@@ -94,7 +94,7 @@ from verl_longstraw.ops.kda import kda_rule
 from verl_longstraw.ops.window_attention import window_attention, window_attention_reference
 from verl_longstraw.parallel.fsdp2 import held_unsharded, sync_gradients  # torch only: runs without veRL
 from verl_longstraw.state.host import host_memory
-from verl_longstraw.testing import (
+from verl_longstraw.testing.compare import (
     full_log_probs,
     grads_of,
     make_group,
@@ -328,8 +328,8 @@ def errors_in(reference, model, prompt, responses, chunk_size: int, run: Callabl
             return [full_log_probs(model, prompt, r)[0] for r in responses]
 
     def replay():
-        log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
-        group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
+        log_probs = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)).log_probs
+        group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(prompt_grad="exact", chunk_size=chunk_size))
         return log_probs
 
     errors = {}
@@ -760,8 +760,9 @@ def run_path(model, path: str, prompt, responses, chunk_size: int) -> None:
         standard_backward(model, prompt, responses)
     else:
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss, prompt_grad=path.removesuffix("_host"),
-                       chunk_size=chunk_size, state_grad_on_host=path.endswith("_host"))
+        group_backward(model, prompt, responses, weighted_loss,
+                       knobs=Knobs(prompt_grad=path.removesuffix("_host"), chunk_size=chunk_size,
+                                   state_grad_on_host=path.endswith("_host")))
 
 
 def measure(model, path: str, prompt, responses, chunk_size: int, device: torch.device) -> tuple[int, float]:

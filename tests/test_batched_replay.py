@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import verl_longstraw.ops.attention as attention_ops
-from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.plan import replay_batches
-from verl_longstraw.testing import grads_of, make_group, max_abs_error, relative_error, weighted_loss
+from verl_longstraw.testing.compare import grads_of, make_group, max_abs_error, relative_error, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 PROMPT_LEN = 70
@@ -37,10 +37,11 @@ def test_replay_batches_pack_in_order_within_budget():
 
 
 def _replay(model, prompt, responses, chunk_size, budget, mode="exact"):
-    values = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True,
-                             replay_tokens=budget)
+    values = group_log_probs(model, prompt, responses, return_entropy=True,
+                             knobs=Knobs(chunk_size=chunk_size, replay_tokens=budget))
     model.zero_grad(set_to_none=True)
-    trained = group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, replay_tokens=budget)
+    trained = group_backward(model, prompt, responses, weighted_loss,
+                             knobs=Knobs(prompt_grad=mode, chunk_size=chunk_size, replay_tokens=budget))
     assert max_abs_error(trained.log_probs, values.log_probs) == 0
     return values.log_probs, values.entropies, trained.losses, grads_of(model)
 
@@ -71,15 +72,16 @@ def test_replay_tokens_must_be_a_positive_int():
     prompt, responses = make_group(VOCAB, 8, (3,))
     for bad in (0, -5, 2.0, True, None):
         with pytest.raises(ValueError, match="replay_tokens"):
-            group_log_probs(model, prompt, responses, replay_tokens=bad)
+            group_log_probs(model, prompt, responses, knobs=Knobs(replay_tokens=bad))
         with pytest.raises(ValueError, match="replay_tokens"):
-            group_backward(model, prompt, responses, weighted_loss, replay_tokens=bad)
+            group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(replay_tokens=bad))
 
 
 def _saved_peak(model, prompt, responses, budget, chunk_size=None) -> int:
     model.zero_grad(set_to_none=True)
     with parameter_meter(model) as meter:
-        group_backward(model, prompt, responses, weighted_loss, "exact", chunk_size, replay_tokens=budget)
+        group_backward(model, prompt, responses, weighted_loss,
+                       knobs=Knobs(prompt_grad="exact", chunk_size=chunk_size, replay_tokens=budget))
     return meter.peak
 
 
@@ -102,7 +104,8 @@ def _saved_shapes(model, prompt, responses, budget) -> list[tuple[int, ...]]:
 
     model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # detached: the replay's saves only
-        group_backward(model, prompt, responses, weighted_loss, "detached", replay_tokens=budget)
+        group_backward(model, prompt, responses, weighted_loss,
+                       knobs=Knobs(prompt_grad="detached", replay_tokens=budget))
     return shapes
 
 

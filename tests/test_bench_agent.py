@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from verl_longstraw.testing import run_benchmark
+from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 OPS = ("compute_log_prob", "update_actor")

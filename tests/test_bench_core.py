@@ -4,7 +4,7 @@ change its numbers (verl_longstraw.machine) and, for gpt_oss, each layer's state
 from importlib.metadata import version
 from pathlib import Path
 
-from verl_longstraw.testing import run_benchmark
+from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verl_longstraw.testing import run_benchmark
+from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH_CP = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cp.py"
 

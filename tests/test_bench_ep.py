@@ -12,7 +12,7 @@ import transformers
 from packaging.version import Version
 
 from verl_longstraw.parallel.experts import MIN_TRANSFORMERS
-from verl_longstraw.testing import run_benchmark
+from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH_EP = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ep.py"
 

@@ -5,7 +5,7 @@ report's ratios and targets are computed from its rows."""
 
 from pathlib import Path
 
-from verl_longstraw.testing import run_benchmark
+from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH_TREE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tree.py"
 OPS = ("compute_log_prob", "update_actor")

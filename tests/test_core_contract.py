@@ -1,11 +1,29 @@
 """Memory stays flat in G, state formats have the promised size, bad input fails loudly."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
+from verl_longstraw import (
+    Knobs,
+    UnsupportedModelError,
+    api,
+    capture_prompt,
+    group_backward,
+    group_log_probs,
+    tree_log_probs,
+)
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+from verl_longstraw.plan import star_plan
+from verl_longstraw.testing.compare import (
+    full_log_probs,
+    grads_of,
+    make_group,
+    relative_error,
+    standard_grads,
+    weighted_loss,
+)
 from verl_longstraw.tiny import DENSE_VARIANTS, VARIANTS, VOCAB, tiny_model
 
 
@@ -13,8 +31,8 @@ def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None)
     """Peak bytes saved for backward of one group of 32-token responses at a fixed budget of two responses."""
     prompt, responses = make_group(VOCAB, 512, [32] * group_size)
     with parameter_meter(model) as meter:
-        group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size,
-                       replay_tokens=64)
+        group_backward(model, prompt, responses, weighted_loss,
+                       knobs=Knobs(prompt_grad=prompt_grad, chunk_size=chunk_size, replay_tokens=64))
     return meter.peak
 
 
@@ -34,13 +52,13 @@ def test_dense_variants_match_standard(family, response_lens):
     chunked): log-probs and the exact gradient of the standard path."""
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, 150, response_lens)
-    lp = group_log_probs(model, prompt, responses, chunk_size=64).log_probs
+    lp = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=64)).log_probs
     with torch.no_grad():
         errors = [(a - full_log_probs(model, prompt, r)[0]).abs().max() for a, r in zip(lp, responses, strict=True)]
     assert max(errors) < 1e-5
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=64)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=64))
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
@@ -62,7 +80,7 @@ def test_qwen3_5_vision_language_checkpoint_on_text(family):
     prompt, responses = make_group(VOCAB, 50, (7, 3))
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=16)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=16))
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
@@ -71,7 +89,8 @@ def test_mla_state_is_latent_only(family):
     model = tiny_model(family)
     config = model.config
     prompt_len = 50
-    state = capture_prompt(model, torch.randint(0, VOCAB, (prompt_len + 1,)), chunk_size=16, for_backward=False)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (prompt_len + 1,)), for_backward=False,
+                           knobs=Knobs(chunk_size=16))
     elements = sum(t.numel() for t in state.tensors())
     latent = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * prompt_len
     indexer = config.index_head_dim * config.num_hidden_layers * prompt_len if family != "deepseek_v3" else 0
@@ -121,7 +140,7 @@ def test_gradient_checkpointing_keeps_prompt_state():
         assert model.training
         assert (group_log_probs(model, prompt, responses[:1]).log_probs[0] - expected_lp).abs().max() < 1e-5
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss, chunk_size=50)
+        group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=50))
         assert relative_error(grads_of(model), expected) < 1e-5
 
 
@@ -136,13 +155,13 @@ def test_sparse_dsa_selection_matches_full_forward(family):
     """
     model = tiny_model(family, index_topk=24, index_n_heads=16)
     prompt, responses = make_group(VOCAB, 60, (9, 4))
-    lp = group_log_probs(model, prompt, responses, chunk_size=25).log_probs
+    lp = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=25)).log_probs
     with torch.no_grad():
         expected = [full_log_probs(model, prompt, r)[0] for r in responses]
     assert max(float((a - b).abs().max()) for a, b in zip(lp, expected, strict=True)) < 1e-5
     reference = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=25)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=25))
     assert relative_error(grads_of(model), reference) < 1e-5
 
 
@@ -176,7 +195,60 @@ def test_bad_input_raises_clear_error(qwen3, override, message):
     )
     args.update(override)
     with pytest.raises(ValueError, match=message):
-        group_backward(qwen3, args["prompt_ids"], args["responses"], _loss, args["prompt_grad"], args["chunk_size"])
+        group_backward(qwen3, args["prompt_ids"], args["responses"], _loss,
+                       knobs=Knobs(prompt_grad=args["prompt_grad"], chunk_size=args["chunk_size"]))
+
+
+BAD_KNOBS = [
+    (dict(chunk_size=0), "chunk_size must be a positive int"),
+    (dict(chunk_size=8.0), "chunk_size must be a positive int"),
+    (dict(response_chunk_size=-1), "response_chunk_size must be a positive int"),
+    (dict(min_shared_tokens=0), "min_shared_tokens must be a positive int"),
+    (dict(replay_tokens=True), "replay_tokens must be a positive int"),
+    (dict(prompt_grad="biased"), "prompt_grad must be one of"),
+    (dict(state_grad_on_host=1), "state_grad_on_host must be True or False"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_KNOBS)
+def test_knobs_name_the_bad_field(override, message):
+    """``Knobs`` refuses a bad value when built, naming the field; it is frozen (one value per call)."""
+    with pytest.raises(ValueError, match=message):
+        Knobs(**override)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Knobs().chunk_size = 4
+
+
+def test_entry_points_take_a_knobs_value(qwen3):
+    """``knobs=`` is a ``Knobs``, not a mapping of its fields: a ValueError naming ``knobs`` otherwise."""
+    prompt, responses = torch.tensor([1, 2, 3]), [torch.tensor([4, 5])]
+    with pytest.raises(ValueError, match="knobs must be a verl_longstraw.Knobs"):
+        group_log_probs(qwen3, prompt, responses, knobs={"chunk_size": 2})
+    with pytest.raises(ValueError, match="knobs must be a verl_longstraw.Knobs"):
+        tree_log_probs(qwen3, [torch.cat([prompt, responses[0]])], [3], knobs={"chunk_size": 2})
+
+
+def test_group_walks_the_plan_passed_in(qwen3, monkeypatch):
+    """``plan=`` (a ``star_plan`` of the group's lengths and knobs) is the plan walked, not built again, budget
+    check included; one of other lengths or knobs is a ValueError naming ``plan``, before anything is computed."""
+    prompt, responses = make_group(VOCAB, 40, (5, 7))
+    knobs = Knobs(chunk_size=16)
+    plan = star_plan(len(prompt), [len(r) for r in responses], knobs)
+    own = group_log_probs(qwen3, prompt, responses, knobs=knobs).log_probs
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a plan passed in is built again")
+
+    monkeypatch.setattr(api, "star_plan", no_build)
+    given = group_log_probs(qwen3, prompt, responses, knobs=knobs, plan=plan).log_probs
+    assert all(torch.equal(a, b) for a, b in zip(own, given, strict=True))
+    qwen3.zero_grad(set_to_none=True)
+    for other_responses, other_knobs in ((responses[:1], knobs), (responses, Knobs(chunk_size=8))):
+        with pytest.raises(ValueError, match="plan is not plan.star_plan's"):
+            group_backward(qwen3, prompt, other_responses, _loss, knobs=other_knobs, plan=plan)
+    assert all(p.grad is None for p in qwen3.parameters())
+    group_backward(qwen3, prompt, responses, _loss, knobs=knobs, plan=plan, memory_budget_bytes=2**40)
+    assert any(p.grad is not None for p in qwen3.parameters())
 
 
 def test_loss_fn_must_return_scalar(qwen3):
@@ -221,28 +293,29 @@ def test_shared_capture_equals_fresh_capture(family, prompt_grad, chunk_size):
     two passes) with the results of two fresh captures."""
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, 130, (11, 1, 30))
-    expected_lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
+    expected_lp = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)).log_probs
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(prompt_grad=prompt_grad, chunk_size=chunk_size))
     expected = grads_of(model)
 
-    state = capture_prompt(model, prompt, chunk_size, for_backward=prompt_grad == "exact")
-    lp = group_log_probs(model, prompt, responses, chunk_size=chunk_size, state=state).log_probs
+    state = capture_prompt(model, prompt, for_backward=prompt_grad == "exact", knobs=Knobs(chunk_size=chunk_size))
+    lp = group_log_probs(model, prompt, responses, state=state, knobs=Knobs(chunk_size=chunk_size)).log_probs
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=chunk_size, state=state)
+    group_backward(model, prompt, responses, weighted_loss, state=state,
+                   knobs=Knobs(prompt_grad=prompt_grad, chunk_size=chunk_size))
     assert all(torch.equal(a, b) for a, b in zip(lp, expected_lp, strict=True))
     assert relative_error(grads_of(model), expected) == 0.0
 
 
 def test_shared_capture_mismatch_is_refused(qwen3):
     prompt, responses = make_group(VOCAB, 60, (5,))
-    state = capture_prompt(qwen3, prompt, chunk_size=16, for_backward=False)
+    state = capture_prompt(qwen3, prompt, for_backward=False, knobs=Knobs(chunk_size=16))
     with pytest.raises(ValueError, match="this rank needs 58"):
-        group_log_probs(qwen3, prompt[:-1], responses, chunk_size=16, state=state)
+        group_log_probs(qwen3, prompt[:-1], responses, state=state, knobs=Knobs(chunk_size=16))
     with pytest.raises(ValueError, match="captured with chunk_size=16, not 32"):
-        group_log_probs(qwen3, prompt, responses, chunk_size=32, state=state)
+        group_log_probs(qwen3, prompt, responses, state=state, knobs=Knobs(chunk_size=32))
     with pytest.raises(ValueError, match="needs a state captured with for_backward=True"):
-        group_backward(qwen3, prompt, responses, _loss, chunk_size=16, state=state)
+        group_backward(qwen3, prompt, responses, _loss, state=state, knobs=Knobs(chunk_size=16))
 
 
 def test_readme_architecture_table_lists_every_supported_model_type():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from verl_longstraw import group_backward, group_log_probs
-from verl_longstraw.testing import (
+from verl_longstraw import Knobs, group_backward, group_log_probs
+from verl_longstraw.testing.compare import (
     float64_throughout,
     full_log_probs,
     grads_of,
@@ -41,7 +41,7 @@ def reference_grads(model, group):
 @pytest.mark.parametrize("chunk_size", CHUNKINGS)
 def test_log_probs_match_full_forward(model, group, chunk_size):
     prompt, responses = group
-    result = group_log_probs(model, prompt, responses, chunk_size=chunk_size, return_entropy=True)
+    result = group_log_probs(model, prompt, responses, return_entropy=True, knobs=Knobs(chunk_size=chunk_size))
     log_probs, entropies = result.log_probs, result.entropies
     with torch.no_grad():
         for response, lp, ent in zip(responses, log_probs, entropies, strict=True):
@@ -63,7 +63,8 @@ def test_temperature(model, group):
 def test_exact_gradient_matches_standard(model, group, reference_grads, chunk_size):
     prompt, responses = group
     model.zero_grad(set_to_none=True)
-    losses = group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size).losses
+    losses = group_backward(model, prompt, responses, weighted_loss,
+                            knobs=Knobs(prompt_grad="exact", chunk_size=chunk_size)).losses
     assert losses.shape == (len(responses),) and not losses.requires_grad
     assert relative_error(grads_of(model), reference_grads) < 1e-5
 
@@ -73,7 +74,7 @@ def test_detached_gradient_runs_and_is_biased(model, group, reference_grads, rec
     standard gradient is far above float rounding (DETACHED_ERROR_MIN) and finite."""
     prompt, responses = group
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad="detached")
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(prompt_grad="detached"))
     error = relative_error(grads_of(model), reference_grads)
     record_property("detached_relative_error", error)
     assert DETACHED_ERROR_MIN < error < 1.0, f"{model.config.model_type}: detached error {error:.3g}"
@@ -92,7 +93,7 @@ def test_entropy_in_loss(model, group):
         loss(i, lp, ent).backward()
     expected = grads_of(model)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, loss, chunk_size=97, with_entropy=True)
+    group_backward(model, prompt, responses, loss, with_entropy=True, knobs=Knobs(chunk_size=97))
     assert relative_error(grads_of(model), expected) < 1e-5
 
 
@@ -126,7 +127,7 @@ def test_float64_throughout_widens_float32_buffers_and_keeps_views():
 
 @pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_exact_gradient_float64(family):
-    """Float64 models computing in float64 throughout (``testing.float64_throughout``; transformers' norms,
+    """Float64 models computing in float64 throughout (``testing.compare.float64_throughout``; transformers' norms,
     routers and kernels ask for float32 otherwise): the exact gradient and log-probs within FLOAT64_TOL of the
     standard path's, chunked."""
     model = tiny_model(family, dtype=torch.float64)
@@ -136,6 +137,6 @@ def test_exact_gradient_float64(family):
         with torch.no_grad():
             expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
         model.zero_grad(set_to_none=True)
-        result = group_backward(model, prompt, responses, weighted_loss, chunk_size=40)
+        result = group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=40))
     assert relative_error(grads_of(model), expected) < FLOAT64_TOL
     assert max_abs_error(result.log_probs, expected_lp) < FLOAT64_TOL

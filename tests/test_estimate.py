@@ -23,7 +23,7 @@ import torch.distributed as dist
 import transformers
 
 import verl_longstraw.execute as execute
-from verl_longstraw import GroupStats, capture_prompt, group_backward, tree_backward
+from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, tree_backward
 from verl_longstraw.adapters import Mixer, adapter_on_meta
 from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.estimate import check_budget, estimate_memory, estimate_plan
@@ -31,9 +31,9 @@ from verl_longstraw.memory import AllocationMeter, parameter_meter
 from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
 from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.plan import REPLAY_TOKENS, star_plan, tree_plan
+from verl_longstraw.plan import star_plan, tree_plan
 from verl_longstraw.state import PathState
-from verl_longstraw.testing import make_group, weighted_loss
+from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_config, tiny_model
 
 RESPONSE_LEN = 32
@@ -49,7 +49,8 @@ def test_estimate_matches_meter(family, record_property):
         prompt, responses = make_group(VOCAB, prompt_len, (RESPONSE_LEN, RESPONSE_LEN))
         stats = GroupStats()
         with parameter_meter(model) as meter:
-            group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, stats=stats)
+            group_backward(model, prompt, responses, weighted_loss, stats=stats,
+                           knobs=Knobs(prompt_grad=mode, chunk_size=chunk_size))
         estimate = estimate_memory(model.config, prompt_len, 2, RESPONSE_LEN, chunk_size, mode, dtype,
                                    device_type="cpu")  # the kernels the meter measured
         ratio = estimate.saved_peak_bytes / meter.peak
@@ -71,7 +72,7 @@ def test_estimate_counts_indexer_keys_of_indexer_layers_only(chunk_size, mode):
     assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, True]
     config, prompt_len = model.config, 100
     prompt, responses = make_group(VOCAB, prompt_len, (8,))
-    state = capture_prompt(model, prompt, chunk_size, for_backward=mode == "exact")
+    state = capture_prompt(model, prompt, for_backward=mode == "exact", knobs=Knobs(chunk_size=chunk_size))
     estimate = estimate_memory(config, prompt_len, 1, 8, chunk_size, mode, torch.float32)
     rows = 3 * (config.kv_lora_rank + config.qk_rope_head_dim) + config.index_head_dim
     assert state.nbytes() == (prompt_len - 1) * rows * 4
@@ -148,7 +149,8 @@ def _cp_measure(rank: int, world: int) -> dict:
         prompt, responses = make_group(VOCAB, prompt_len, [RESPONSE_LEN] * world)  # G = R: one full round
         stats = GroupStats()
         with parameter_meter(model) as meter, state_leaf_grad_meter() as leaf_grads:
-            group_backward(model, prompt, responses, weighted_loss, "exact", chunk, stats=stats, cp_group=group)
+            group_backward(model, prompt, responses, weighted_loss, stats=stats, cp_group=group,
+                           knobs=Knobs(prompt_grad="exact", chunk_size=chunk))
         out["cases"].append({"saved": meter.peak, "state": stats.prompt_state_bytes, "leaf_grads": max(leaf_grads)})
     if world == 2:
         out["budget"] = _cp_budget(group, world)
@@ -165,13 +167,13 @@ def _cp_budget(group, world: int) -> dict:
     budget = estimate.total_bytes - estimate.state_grad_bytes // 2
     message = None
     try:
-        group_backward(model, prompt, responses, weighted_loss, chunk_size=CP_BUDGET_CHUNK,
-                       memory_budget_bytes=budget, cp_group=group)
+        group_backward(model, prompt, responses, weighted_loss, memory_budget_bytes=budget, cp_group=group,
+                       knobs=Knobs(chunk_size=CP_BUDGET_CHUNK))
     except MemoryError as exc:
         message = str(exc)
     untouched = all(p.grad is None for p in model.parameters())
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=CP_BUDGET_CHUNK, memory_budget_bytes=budget,
-                   cp_group=group, state_grad_on_host=True)
+    group_backward(model, prompt, responses, weighted_loss, memory_budget_bytes=budget, cp_group=group,
+                   knobs=Knobs(chunk_size=CP_BUDGET_CHUNK, state_grad_on_host=True))
     return {"message": message, "untouched": untouched, "ran_offloaded": any(p.grad is not None
                                                                                 for p in model.parameters())}
 
@@ -295,7 +297,7 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
     for device_type in ("cuda", "cpu"):
         e = estimate_memory(config, prompt_len, 8, response_len, chunk, "exact", torch.bfloat16, cp_size=cp_size,
                             device_type=device_type)
-        plan = star_plan(prompt_len, [response_len] * 8, chunk, world=cp_size)
+        plan = star_plan(prompt_len, [response_len] * 8, Knobs(chunk_size=chunk), world=cp_size)
         last = plan.captured[-1]
         if cp_size == 1:
             replay = fused_backward_transient_bytes(device_type, torch.bfloat16, e.replay_batch, heads, kv_heads,
@@ -345,13 +347,12 @@ def test_estimate_of_a_tree_matches_meter(family, record_property):
     and its gradient sums the walk held at their largest exactly, the saved-for-backward peak within 20 %."""
     model = tiny_model(family)
     rows, starts = _agent_tree()
-    knobs = dict(chunk_size=256, response_chunk_size=64, min_shared_tokens=16)
-    plan = tree_plan(rows, starts, knobs["chunk_size"], knobs["response_chunk_size"], knobs["min_shared_tokens"],
-                     REPLAY_TOKENS)
+    knobs = Knobs(chunk_size=256, response_chunk_size=64, min_shared_tokens=16)
+    plan = tree_plan(rows, starts, knobs)
     assert len(plan.captured) > 4 and max(len(plan.path(i)) for i in range(len(plan.segments))) >= 4
     stats = GroupStats()
     with parameter_meter(model) as meter:
-        tree_backward(model, rows, starts, weighted_loss, "exact", stats=stats, **knobs)
+        tree_backward(model, rows, starts, weighted_loss, stats=stats, knobs=knobs)
     estimate = estimate_plan(model.config, plan, "exact", torch.float32, device_type="cpu")
     ratio = estimate.saved_peak_bytes / meter.peak
     record_property("ratio", ratio)
@@ -431,12 +432,12 @@ def test_capture_peak_and_step_total_match_allocation_meter(chunk_size):
         estimate = estimate_memory(model.config, prompt_len, 2, RESPONSE_LEN, chunk_size, mode, torch.float32,
                                    replay_tokens=RESPONSE_LEN, device_type="cpu")
         with AllocationMeter() as capture_meter:
-            state = capture_prompt(model, prompt, chunk_size, for_backward=mode == "exact")
+            state = capture_prompt(model, prompt, for_backward=mode == "exact", knobs=Knobs(chunk_size=chunk_size))
         assert capture_meter.peak == estimate.capture_peak_bytes, (mode, capture_meter.peak)
         del state
         with AllocationMeter() as step_meter:
-            state = capture_prompt(model, prompt, chunk_size, for_backward=mode == "exact")
-            group_backward(model, prompt, responses, weighted_loss, mode, chunk_size, state=state,
-                           replay_tokens=RESPONSE_LEN)
+            state = capture_prompt(model, prompt, for_backward=mode == "exact", knobs=Knobs(chunk_size=chunk_size))
+            group_backward(model, prompt, responses, weighted_loss, state=state,
+                           knobs=Knobs(prompt_grad=mode, chunk_size=chunk_size, replay_tokens=RESPONSE_LEN))
         ratio = estimate.total_bytes / step_meter.peak
         assert 0.8 <= ratio <= 1.2, (mode, ratio)

@@ -4,7 +4,7 @@ call, and the peak table gives MFU on the GPUs it names only."""
 import pytest
 import torch
 
-from verl_longstraw import group_backward, group_log_probs, tree_backward, tree_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs, tree_backward, tree_log_probs
 from verl_longstraw.adapters.base import MIXER_KINDS, adapter_on_meta
 from verl_longstraw.flops import MIXER_FLOPS, keys_seen, mfu, model_cost, peak_flops
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
@@ -42,9 +42,9 @@ def test_dense_walk_flops_match_the_hand_count(shape, mode):
         captures = call(4, 0, 1, 0) + call(4, 4, 1, 0)
         replays = call(3, 8, 2, 3) + call(5, 8, 2, 5)
         if mode == "log_probs":
-            stats = group_log_probs(model, prompt, responses, chunk_size=4).stats
+            stats = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=4)).stats
         else:
-            stats = group_backward(model, prompt, responses, loss, chunk_size=4).stats
+            stats = group_backward(model, prompt, responses, loss, knobs=Knobs(chunk_size=4)).stats
     else:
         shared = torch.randint(3, VOCAB, (6,), generator=g)
         rows = [torch.cat([shared, torch.tensor([1, 2, 3, 4])]), torch.cat([shared, torch.tensor([2, 1, 1])])]

@@ -27,7 +27,7 @@ import transformers.models.kimi_linear.modeling_kimi_linear as kimi_modeling
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5_modeling
 
 from verl_longstraw.ops import gated_delta_rule as gdn
-from verl_longstraw.testing import load_script
+from verl_longstraw.testing.scripts import load_script
 from verl_longstraw.tiny import FAMILIES, VARIANTS, tiny_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ if STAGE is not None:
     torch.set_default_device("meta")
 if STAGE is not None and FAULTS:  # the checkout on sys.path now, as the stage script puts it there later
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(sys.argv[0]))))
-    import verl_longstraw.testing as testing
+    import verl_longstraw.testing.compare as testing
 
     full_log_probs = testing.full_log_probs
 

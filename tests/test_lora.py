@@ -11,9 +11,16 @@ import transformers
 from packaging.version import Version
 from peft import LoraConfig, get_peft_model
 
-from verl_longstraw import UnsupportedModelError, group_backward, group_log_probs
+from verl_longstraw import Knobs, UnsupportedModelError, group_backward, group_log_probs
 from verl_longstraw.adapters.lora import linear_weights
-from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+from verl_longstraw.testing.compare import (
+    full_log_probs,
+    grads_of,
+    make_group,
+    relative_error,
+    standard_grads,
+    weighted_loss,
+)
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 
@@ -51,11 +58,11 @@ def test_lora_gradients_match_standard(family, targets, chunk_size):
                     "e_score_correction_bias off the wrapper: the model fails on either path")
     model = lora_model(family, target_modules=targets)
     prompt, responses = make_group(VOCAB, 100, (9, 4, 1))
-    assert max_log_prob_error(model, prompt, responses, chunk_size=chunk_size) < 1e-5
+    assert max_log_prob_error(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)) < 1e-5
     expected = standard_grads(model, prompt, responses, weighted_loss)
     standard_with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk_size)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=chunk_size))
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert with_grad == standard_with_grad and with_grad <= trainable  # the parameters the standard path trains
@@ -71,8 +78,8 @@ def test_reference_log_probs_with_the_adapters_disabled():
     prompt, responses = make_group(VOCAB, 60, (7, 3))
     base = tiny_model("qwen3_5")
     with model.disable_adapter():
-        disabled = group_log_probs(model, prompt, responses, chunk_size=16).log_probs
-    adapted = group_log_probs(model, prompt, responses, chunk_size=16).log_probs
+        disabled = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=16)).log_probs
+    adapted = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=16)).log_probs
     with torch.no_grad():
         reference = [full_log_probs(base, prompt, r)[0] for r in responses]
     assert max(float((a - b).abs().max()) for a, b in zip(disabled, reference, strict=True)) < 1e-5

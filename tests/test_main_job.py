@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_longstraw.testing import load_script
+from verl_longstraw.testing.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "kv_retrieval"

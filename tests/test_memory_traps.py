@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_longstraw import capture_prompt
+from verl_longstraw import Knobs, capture_prompt
 from verl_longstraw.memory import SavedTensorMeter
 from verl_longstraw.state import Fixed
 from verl_longstraw.tiny import VOCAB, tiny_model
@@ -36,7 +36,7 @@ def test_prompt_state_holds_only_its_own_bytes(family):
     the sum of its tensors' bytes, boundaries included (5 chunks: 5 copies of each fixed tensor)."""
     model = tiny_model(family)
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
-    state = capture_prompt(model, prompt, CHUNK, for_backward=True)
+    state = capture_prompt(model, prompt, for_backward=True, knobs=Knobs(chunk_size=CHUNK))
     fixed = _fixed_tensors(state)
     assert len(fixed) == 5 * _fixed_kinds(state) > 0
     for t in fixed:

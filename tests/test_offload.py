@@ -10,12 +10,12 @@ import gc
 import pytest
 import torch
 
-from verl_longstraw import GroupStats, group_backward, tree_backward
+from verl_longstraw import GroupStats, Knobs, group_backward, tree_backward
 from verl_longstraw.estimate import estimate_memory, estimate_plan
 from verl_longstraw.plan import tree_plan
 from verl_longstraw.state import kinds
 from verl_longstraw.state.host import StagedCopies, host_memory, host_zeros
-from verl_longstraw.testing import make_group
+from verl_longstraw.testing.compare import make_group
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 
@@ -50,7 +50,7 @@ def test_state_grad_on_host_equals_device(family, monkeypatch):
 
     def grads(on_host: bool) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, _loss, chunk_size=32, state_grad_on_host=on_host)
+        group_backward(model, prompt, responses, _loss, knobs=Knobs(chunk_size=32, state_grad_on_host=on_host))
         return _grads(model)
 
     placements: list[bool] = []
@@ -74,13 +74,13 @@ def test_host_sums_ask_for_the_bytes_the_estimate_counts(family):
     prompt, responses = make_group(VOCAB, 120, (9, 9))
     rows, starts = _shared_rows()
     walks = {
-        "star": (lambda on_host, stats: group_backward(model, prompt, responses, _loss, chunk_size=32, stats=stats,
-                                                       state_grad_on_host=on_host),
+        "star": (lambda on_host, stats: group_backward(model, prompt, responses, _loss, stats=stats,
+                                                       knobs=Knobs(chunk_size=32, state_grad_on_host=on_host)),
                  estimate_memory(model.config, 120, 2, 9, 32, "exact", torch.float32, state_grad_on_host=True,
                                  device_type="cpu")),
-        "tree": (lambda on_host, stats: tree_backward(model, rows, starts, _loss, chunk_size=16, stats=stats,
-                                                      state_grad_on_host=on_host),
-                 estimate_plan(model.config, tree_plan(rows, starts, 16), "exact", torch.float32,
+        "tree": (lambda on_host, stats: tree_backward(model, rows, starts, _loss, stats=stats,
+                                                      knobs=Knobs(chunk_size=16, state_grad_on_host=on_host)),
+                 estimate_plan(model.config, tree_plan(rows, starts, Knobs(chunk_size=16)), "exact", torch.float32,
                                state_grad_on_host=True, device_type="cpu")),
     }
     for name, (walk, estimate) in walks.items():

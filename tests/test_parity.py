@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verl_longstraw.testing import load_script
+from verl_longstraw.testing.scripts import load_script
 
 analyze = load_script(Path(__file__).resolve().parents[1] / "recipes" / "parity" / "analyze.py")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import verl_longstraw.ops.attention as attention_ops
-from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.adapters.mla import MultiHeadLatentAttentionAdapter
 from verl_longstraw.state import PathState, Rows
-from verl_longstraw.testing import (
+from verl_longstraw.testing.compare import (
     full_log_probs,
     grads_of,
     make_group,
@@ -35,9 +35,9 @@ BF16_SANITY_BOUND = 0.2
 
 def _run(model, prompt, responses, chunk_size):
     """(log-probs [G] of [T_i], exact gradients by parameter name)."""
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk_size).log_probs
+    log_probs = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)).log_probs
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad="exact", chunk_size=chunk_size)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(prompt_grad="exact", chunk_size=chunk_size))
     return log_probs, grads_of(model)
 
 
@@ -101,7 +101,7 @@ def _per_head_saved(model, prompt, responses, chunk_size) -> list[tuple[int, ...
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk_size)
+        group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=chunk_size))
     return found
 
 

@@ -12,7 +12,7 @@ import torch
 import verl_longstraw.score as scoring
 from verl_longstraw import execute, group_backward
 from verl_longstraw.score import score, score_reference
-from verl_longstraw.testing import errors_against_exact, make_group, no_worse_than_standard
+from verl_longstraw.testing.compare import errors_against_exact, make_group, no_worse_than_standard
 from verl_longstraw.tiny import tiny_model
 
 

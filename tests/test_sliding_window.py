@@ -8,11 +8,18 @@ at its edge (7, 8 tokens) and every few tokens, one and three responses; models 
 import pytest
 import torch
 
-from verl_longstraw import UnsupportedModelError, capture_prompt, group_backward, group_log_probs
+from verl_longstraw import Knobs, UnsupportedModelError, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.state import Rows, Window
-from verl_longstraw.testing import full_log_probs, grads_of, make_group, relative_error, standard_grads, weighted_loss
+from verl_longstraw.testing.compare import (
+    full_log_probs,
+    grads_of,
+    make_group,
+    relative_error,
+    standard_grads,
+    weighted_loss,
+)
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 WINDOW = 8
@@ -54,10 +61,10 @@ def test_window_layers_match_standard(model, prompt_len, group, chunks):
     with torch.no_grad():
         reference = [full_log_probs(model, prompt, r)[0] for r in responses]
     for chunk in chunks:
-        log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk).log_probs
+        log_probs = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=chunk)).log_probs
         assert max((a - b).abs().max().item() for a, b in zip(log_probs, reference, strict=True)) < 1e-5, chunk
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk)
+        group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=chunk))
         assert relative_error(grads_of(model), expected) < 1e-5, chunk
     sinks = [p.grad for name, p in model.named_parameters() if name.endswith("sinks")]
     assert all(g.abs().sum() > 0 for g in sinks)
@@ -68,7 +75,7 @@ def test_detached_is_biased(model):
     prompt, responses = make_group(VOCAB, 30, (9, 4))
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad="detached")
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(prompt_grad="detached"))
     assert 1e-3 < relative_error(grads_of(model), expected) < 1.0
 
 
@@ -78,7 +85,7 @@ def test_float64_gpt_oss():
     prompt, responses = make_group(VOCAB, 37, (9, 3))
     expected = standard_grads(model, prompt, responses, weighted_loss)
     model.zero_grad(set_to_none=True)
-    group_backward(model, prompt, responses, weighted_loss, chunk_size=8)
+    group_backward(model, prompt, responses, weighted_loss, knobs=Knobs(chunk_size=8))
     assert relative_error(grads_of(model), expected) < 1e-7
 
 
@@ -88,7 +95,7 @@ def test_window_state_keeps_window_rows():
     model = _model("gpt_oss")
     adapter = adapter_for(model)
     prompt, _ = make_group(VOCAB, 40, (1,))
-    state = capture_prompt(model, prompt, chunk_size=13)
+    state = capture_prompt(model, prompt, knobs=Knobs(chunk_size=13))
     for layer, kinds, storages in zip(model.config.layer_types, adapter.specs(), state.store.storage, strict=True):
         for kind, storage in zip(kinds, storages, strict=True):
             if layer == "sliding_attention":
@@ -111,7 +118,8 @@ def test_window_replay_memory_is_flat_in_the_prompt():
         for prompt_len in (129, 1025):
             prompt, responses = make_group(VOCAB, prompt_len, (16, 16))
             with parameter_meter(model) as meter:
-                group_backward(model, prompt, responses, weighted_loss, prompt_grad=prompt_grad, chunk_size=64)
+                group_backward(model, prompt, responses, weighted_loss,
+                               knobs=Knobs(prompt_grad=prompt_grad, chunk_size=64))
             peaks[prompt_grad, prompt_len] = meter.peak
     assert peaks["detached", 1025] == peaks["detached", 129], peaks
     extra_chunks = (1025 - 129) // 64

@@ -4,7 +4,7 @@ prompt_ids (same length, so every shape check passes) fails instead of replaying
 import pytest
 import torch
 
-from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 PROMPT_LEN = 40
@@ -28,22 +28,22 @@ def test_state_of_another_prompt_is_refused(group, position):
     """Another prompt of the same length, differing in one token (the last one included: the state
     belongs to the whole prompt), is refused by both entry points."""
     model, prompt, responses = group
-    state = capture_prompt(model, prompt, chunk_size=16, for_backward=True)
+    state = capture_prompt(model, prompt, for_backward=True, knobs=Knobs(chunk_size=16))
     other = prompt.clone()
     other[position] = (other[position] + 1) % VOCAB
     with pytest.raises(ValueError, match="state was captured from other prompt_ids"):
-        group_log_probs(model, other, responses, chunk_size=16, state=state)
+        group_log_probs(model, other, responses, state=state, knobs=Knobs(chunk_size=16))
     with pytest.raises(ValueError, match="state was captured from other prompt_ids"):
-        group_backward(model, other, responses, _loss, chunk_size=16, state=state)
+        group_backward(model, other, responses, _loss, state=state, knobs=Knobs(chunk_size=16))
     assert all(p.grad is None for p in model.parameters())
 
 
 def test_state_of_the_same_prompt_is_accepted(group):
     """An equal prompt in another tensor (and dtype) is the same prompt."""
     model, prompt, responses = group
-    state = capture_prompt(model, prompt, chunk_size=16, for_backward=False)
-    expected = group_log_probs(model, prompt, responses, chunk_size=16)
-    got = group_log_probs(model, prompt.clone().to(torch.int32), responses, chunk_size=16, state=state)
+    state = capture_prompt(model, prompt, for_backward=False, knobs=Knobs(chunk_size=16))
+    expected = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=16))
+    got = group_log_probs(model, prompt.clone().to(torch.int32), responses, state=state, knobs=Knobs(chunk_size=16))
     assert torch.equal(got.log_probs[0], expected.log_probs[0])
 
 

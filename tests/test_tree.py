@@ -9,19 +9,19 @@ tokens (weight 0); ``test_random_trees_cover_every_case`` checks each tree used 
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from verl_longstraw import tree_backward, tree_log_probs
+from verl_longstraw import Knobs, api, tree_backward, tree_log_probs
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.execute import run_segment
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.plan import Plan, star_plan, tree_plan
 from verl_longstraw.score import Scoring
 from verl_longstraw.state import Fixed, Rows
-from verl_longstraw.testing import Grads, float64_throughout, grads_of, max_abs_error, relative_error
+from verl_longstraw.testing.compare import Grads, float64_throughout, grads_of, max_abs_error, relative_error
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 VALUE_TOL = 1e-5  # float32 log-probs and entropies, absolute (as tests/test_core_equivalence.py)
@@ -251,10 +251,11 @@ def qwen3():
     return tiny_model("qwen3")
 
 
-def _run(model, tree: Tree, **knobs):
-    """tree_backward of ``tree``'s loss, from zero gradients: (result, gradient)."""
+def _run(model, tree: Tree, with_entropy: bool = False, **knobs):
+    """tree_backward of ``tree``'s loss with ``Knobs(**knobs)``, from zero gradients: (result, gradient)."""
     model.zero_grad(set_to_none=True)
-    result = tree_backward(model, tree.sequences, tree.score_starts, tree.loss, **knobs)
+    result = tree_backward(model, tree.sequences, tree.score_starts, tree.loss, with_entropy=with_entropy,
+                           knobs=Knobs(**knobs))
     return result, grads_of(model)
 
 
@@ -293,7 +294,8 @@ def test_tree_matches_standard(case, chunk_size, response_chunk_size, with_entro
     held at the fullest is one root-to-leaf path's."""
     model, tree, ref = case
     knobs = dict(chunk_size=chunk_size, response_chunk_size=response_chunk_size)
-    values = tree_log_probs(model, tree.sequences, tree.score_starts, return_entropy=with_entropy, **knobs)
+    values = tree_log_probs(model, tree.sequences, tree.score_starts, return_entropy=with_entropy,
+                            knobs=Knobs(**knobs))
     assert values.losses is None
     assert [lp.shape for lp in values.log_probs] == [r.shape for r in ref.log_probs]
     assert max_abs_error(values.log_probs, ref.log_probs) < VALUE_TOL
@@ -309,7 +311,7 @@ def test_tree_matches_standard(case, chunk_size, response_chunk_size, with_entro
     for row, (loss, expected) in enumerate(zip(result.losses, ref.losses[with_entropy], strict=True)):
         assert abs(float(loss - expected)) <= VALUE_TOL * tree.loss_scale(row, with_entropy), row
 
-    plan = tree_plan(tree.sequences, tree.score_starts, **knobs)
+    plan = tree_plan(tree.sequences, tree.score_starts, Knobs(**knobs))
     assert result.stats.prompt_state_bytes == path_state_bytes(model, plan)
     assert scheduled_state_bytes(model, plan, "exact") == path_state_bytes(model, plan)
     assert values.stats.prompt_state_bytes == scheduled_state_bytes(model, plan, "log_probs")
@@ -317,7 +319,7 @@ def test_tree_matches_standard(case, chunk_size, response_chunk_size, with_entro
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_gradient_float64(family):
-    """Float64 models computing in float64 throughout (``testing.float64_throughout``), chunked: the exact gradient
+    """Float64 models computing in float64 throughout (``compare.float64_throughout``), chunked: the exact gradient
     and log-probs within FLOAT64_TOL of the standard ones."""
     model = tiny_model(family, dtype=torch.float64)
     tree = random_tree(*TREES[family])
@@ -335,7 +337,8 @@ def test_detached_tree_is_its_definition(case, record_property):
     from the standard gradient."""
     model, tree, ref = case
     chunk_size, response_chunk_size = CHUNKED
-    plan = tree_plan(tree.sequences, tree.score_starts, chunk_size, response_chunk_size)
+    plan = tree_plan(tree.sequences, tree.score_starts,
+                     Knobs(chunk_size=chunk_size, response_chunk_size=response_chunk_size))
     expected = detached_grads(model, plan, tree, with_entropy=True)
     result, grads = _run(model, tree, prompt_grad="detached", with_entropy=True, chunk_size=chunk_size,
                          response_chunk_size=response_chunk_size)
@@ -357,9 +360,7 @@ def _peak_saved(model, tree: Tree, **knobs) -> tuple[int, Plan]:
     """Peak bytes saved for backward by ``tree``'s tree_backward (parameters not counted), and its plan."""
     with parameter_meter(model) as meter:
         _run(model, tree, **knobs)
-    plan = tree_plan(tree.sequences, tree.score_starts, knobs.get("chunk_size"), knobs.get("response_chunk_size"),
-                     replay_tokens=knobs.get("replay_tokens", 8192))
-    return meter.peak, plan
+    return meter.peak, tree_plan(tree.sequences, tree.score_starts, Knobs(**knobs))
 
 
 @pytest.mark.parametrize("family", MEMORY_FAMILIES)
@@ -409,7 +410,7 @@ def test_work_groups_sharing_a_system_prompt(qwen3, chunk_size):
     and recomputed once, each response replayed once."""
     tree = group_tree(SYSTEM, 4, PROMPT, 4, RESPONSE)
     result, _ = _run(qwen3, tree, chunk_size=chunk_size)
-    plan = tree_plan(tree.sequences, tree.score_starts, chunk_size)
+    plan = tree_plan(tree.sequences, tree.score_starts, Knobs(chunk_size=chunk_size))
     captured = (SYSTEM - 1) + 4 * PROMPT  # input positions: the system prompt's shared, each group's own
     replayed = 16 * RESPONSE
     stats = result.stats
@@ -426,7 +427,7 @@ def test_work_per_turn_samples(qwen3, chunk_size):
     and recomputed once, the last response replayed once; the star path re-runs each sample's prompt."""
     tree = turns_tree(TURNS, USER, TURN_RESPONSE)
     result, _ = _run(qwen3, tree, chunk_size=chunk_size)
-    plan = tree_plan(tree.sequences, tree.score_starts, chunk_size)
+    plan = tree_plan(tree.sequences, tree.score_starts, Knobs(chunk_size=chunk_size))
     captured = TURNS * (USER + TURN_RESPONSE) - 1 - TURN_RESPONSE
     stats = result.stats
     assert (stats.tokens_captured, stats.tokens_recomputed, stats.tokens_replayed) == (captured, captured,
@@ -462,37 +463,50 @@ def test_bad_input_names_the_field(qwen3, name):
     sequences, starts, knobs = make_bad(tree.sequences, tree.score_starts)
     qwen3.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match=re.escape(field)):
-        tree_log_probs(qwen3, sequences, starts, **knobs)
+        tree_log_probs(qwen3, sequences, starts, knobs=Knobs(**knobs))
     with pytest.raises(ValueError, match=re.escape(field)):
-        tree_backward(qwen3, sequences, starts, tree.loss, **knobs)
+        tree_backward(qwen3, sequences, starts, tree.loss, knobs=Knobs(**knobs))
     assert all(p.grad is None for p in qwen3.parameters())  # rejected before computing anything
 
 
-def test_a_plan_built_by_the_caller_serves_its_rows_only(qwen3):
-    """A plan passed in (the engine's, built once per step) gives the walk's own results; one built for other
-    tokens, score starts or knobs is a ValueError naming ``plan``, before anything is computed."""
+def test_a_plan_built_by_the_caller_serves_its_rows_only(qwen3, monkeypatch):
+    """A plan passed in (the engine's, built once per step) is the one walked, not built again; one built for rows
+    of other lengths, tokens or score starts, other plan knobs or another rank is a ValueError naming ``plan``,
+    before anything is computed (a knob the plan does not read, prompt_grad, may differ)."""
     tree = turns_tree(2, 3, 3)
-    plan = tree_plan(tree.sequences, tree.score_starts, chunk_size=8)
-    own = tree_log_probs(qwen3, tree.sequences, tree.score_starts, chunk_size=8)
-    given = tree_log_probs(qwen3, tree.sequences, tree.score_starts, chunk_size=8, plan=plan)
+    knobs = Knobs(chunk_size=8)
+    plan = tree_plan(tree.sequences, tree.score_starts, knobs)
+    own = tree_log_probs(qwen3, tree.sequences, tree.score_starts, knobs=knobs)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a plan passed in is built again")
+
+    monkeypatch.setattr(api, "tree_plan", no_build)
+    given = tree_log_probs(qwen3, tree.sequences, tree.score_starts, knobs=knobs, plan=plan)
     assert all(torch.equal(a, b) for a, b in zip(own.log_probs, given.log_probs, strict=True))
-    other_tokens = [tree.sequences[0], tree.sequences[1].flip(0)]
+    tree_backward(qwen3, tree.sequences, tree.score_starts, tree.loss, knobs=Knobs(chunk_size=8,
+                  prompt_grad="detached"), plan=plan)
+    shorter = [tree.sequences[0], tree.sequences[1][:-1]]
     mismatches = {
-        "tokens": (other_tokens, tree.score_starts, {"chunk_size": 8}),
-        "score starts": (tree.sequences, [tree.score_starts[0], tree.score_starts[1] + 1], {"chunk_size": 8}),
-        "knobs": (tree.sequences, tree.score_starts, {"chunk_size": 16}),
+        "lengths": (shorter, tree.score_starts, knobs, plan),
+        # same lengths, one token changed: the tree's sharing would be another (a silent wrong value if accepted)
+        "tokens": ([tree.sequences[0], torch.cat([tree.sequences[1][:-2], (tree.sequences[1][-2:-1] + 1) % 100,
+                                                  tree.sequences[1][-1:]])], tree.score_starts, knobs, plan),
+        "score starts": (tree.sequences, [tree.score_starts[0], tree.score_starts[1] + 1], knobs, plan),
+        "knobs": (tree.sequences, tree.score_starts, Knobs(chunk_size=16), plan),
+        "rank": (tree.sequences, tree.score_starts, knobs, replace(plan, rank=1, world=2)),
     }
     qwen3.zero_grad(set_to_none=True)
-    for sequences, starts, knobs in mismatches.values():
+    for sequences, starts, other_knobs, other_plan in mismatches.values():
         with pytest.raises(ValueError, match="plan is not plan.tree_plan's"):
-            tree_backward(qwen3, sequences, starts, tree.loss, plan=plan, **knobs)
+            tree_backward(qwen3, sequences, starts, tree.loss, knobs=other_knobs, plan=other_plan)
     assert all(p.grad is None for p in qwen3.parameters())
 
 
 def test_bad_prompt_grad(qwen3):
     tree = turns_tree(2, 3, 3)
     with pytest.raises(ValueError, match="prompt_grad"):
-        tree_backward(qwen3, tree.sequences, tree.score_starts, tree.loss, prompt_grad="none")
+        tree_backward(qwen3, tree.sequences, tree.score_starts, tree.loss, knobs=Knobs(prompt_grad="none"))
 
 
 @pytest.mark.parametrize("row", (0, 1))  # row 0 ends inside the tree (a captured segment), row 1 at a leaf
@@ -513,12 +527,12 @@ def test_min_shared_tokens(qwen3):
     ref = standard(qwen3, tree, (False,))
     forwarded = {}
     for min_shared, roots in ((SYSTEM, 1), (SYSTEM + 1, 3)):
-        plan = tree_plan(tree.sequences, tree.score_starts, min_shared_tokens=min_shared)
+        plan = tree_plan(tree.sequences, tree.score_starts, Knobs(min_shared_tokens=min_shared))
         assert len(plan.roots) == roots
         result, grads = _run(qwen3, tree, min_shared_tokens=min_shared)
         assert relative_error(grads, ref.grads[False]) < GRAD_TOL
         assert max_abs_error(result.log_probs, ref.log_probs) < VALUE_TOL
-        values = tree_log_probs(qwen3, tree.sequences, tree.score_starts, min_shared_tokens=min_shared)
+        values = tree_log_probs(qwen3, tree.sequences, tree.score_starts, knobs=Knobs(min_shared_tokens=min_shared))
         assert max_abs_error(values.log_probs, ref.log_probs) < VALUE_TOL
         forwarded[min_shared] = result.stats.tokens_forwarded
         assert forwarded[min_shared] == plan.tokens_forwarded("exact")

@@ -6,8 +6,9 @@ The core (this package minus ``integration``) depends on torch and transformers 
 from .api import capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
 from .errors import UnsupportedModelError
 from .execute import GroupResult, GroupStats
+from .knobs import Knobs
 
 __all__ = [
-    "GroupResult", "GroupStats", "UnsupportedModelError", "capture_prompt", "group_backward", "group_log_probs",
-    "tree_backward", "tree_log_probs",
+    "GroupResult", "GroupStats", "Knobs", "UnsupportedModelError", "capture_prompt", "group_backward",
+    "group_log_probs", "tree_backward", "tree_log_probs",
 ]

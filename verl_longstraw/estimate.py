@@ -64,6 +64,7 @@ from .adapters import Adapter, Mixer, adapter_on_meta, model_on_meta
 from .adapters.base import MIXER_KINDS
 from .adapters.lora import base_model
 from .errors import UnsupportedModelError
+from .knobs import REPLAY_TOKENS, Knobs
 from .ops import attention as attention_ops
 from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
 from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
@@ -72,7 +73,7 @@ from .ops.ssd_scan import ssd_torch_saved_bytes
 from .ops.window_attention import window_attention_fused_dtype, window_attention_saved_bytes
 from .parallel import experts as parallel_experts
 from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
-from .plan import REPLAY_TOKENS, Plan, star_plan
+from .plan import Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
 from .state.store import staging_nbytes
 
@@ -578,7 +579,8 @@ def estimate_memory(
     """
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
-    plan = star_plan(prompt_len, [response_len] * group_size, chunk_size, replay_tokens, cp_size, rank)
+    knobs = Knobs(chunk_size=chunk_size, replay_tokens=replay_tokens)
+    plan = star_plan(prompt_len, [response_len] * group_size, knobs, cp_size, rank)
     return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type,
                          expert_parallel)
 

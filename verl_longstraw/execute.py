@@ -33,7 +33,6 @@ from .adapters import Adapter
 from .adapters.base import call_as
 from .flops import BACKWARD, model_cost
 from .parallel import comm
-from .parallel.segment import SegmentSharding
 from .plan import Plan, Split, Step
 from .score import Scoring, score
 from .state import LayerState, PathState
@@ -111,10 +110,12 @@ def run_segment(
     start: int,
     past: list[LayerState] | None,
     scoring: Scoring | None,
-    sharding: SegmentSharding | None = None,
+    split: Split | None = None,
+    group: comm.Group = None,
 ) -> SegmentOutput:
     """Run tokens ``ids`` [S] at positions ``start``... after ``past`` (None: nothing before), or ``ids`` [B, S]:
-    B right-padded sequences after the same ``past``, in one forward (the state broadcast over them).
+    B right-padded sequences after the same ``past``, in one forward (the state broadcast over them); ``split``
+    over ``group``: this rank's part of a CP step (None: one process).
 
     Every layer's segment state is returned; with ``scoring`` also the log-probs of ``scoring.targets`` and the
     entropies (or None), each [B * S - scoring.first], the LM head scored a row chunk at a time (``score``) inside
@@ -123,7 +124,7 @@ def run_segment(
 
     def forward() -> tuple[torch.Tensor | None, ...]:
         h = adapter.embed(ids)
-        ctx = adapter.context(h, start, sharding)
+        ctx = adapter.context(h, start, split, group)
         layer_past = past or [tuple(kind.empty(h) for kind in kinds) for kinds in adapter.specs()]
         states = []
         for idx, layer in enumerate(adapter.layers):
@@ -170,12 +171,6 @@ class _Walk:
             self.rows_ending.setdefault(end, []).append(row)
 
     # -- helpers -----------------------------------------------------------------------------------------------
-    def _sharding(self, split: Split | None) -> SegmentSharding | None:
-        if split is None:
-            return None
-        return SegmentSharding(self.group, split.query_sizes, split.prefix_sizes, split.consecutive,
-                               prefix_spans=split.prefix_spans)
-
     def _parent_rows(self, parent: int | None) -> int:
         return 0 if parent is None else self.plan.segments[parent].row_end
 
@@ -305,7 +300,7 @@ class _Walk:
         past = self.store.read(step.parent, self._parent_rows(step.parent))
         scoring = self._segment_scoring(s.index, targets)
         with torch.no_grad():
-            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, self._sharding(step.split))
+            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
         self.store.write(s.index, s.row_start, out.states)
         self.stats.tokens_captured += s.own_end - s.own_start
         self.stats.model_flops += self._flops(len(inputs), s.own_start, scoring)
@@ -345,7 +340,7 @@ class _Walk:
         local = step.split is None or not any(step.split.prefix_sizes)
         with torch.enable_grad() if self.backward else torch.no_grad():
             out = run_segment(self.adapter, inputs, start, past, self._scoring(targets),
-                              None if local else self._sharding(step.split))
+                              None if local else step.split, self.group)
             # a leaf's values start where it scores: under CP a leaf may begin with fewer than R unscored positions
             firsts = [self.plan.segments[i].score_from - self.plan.segments[i].start for i in leaves] or [0]
             lps = [row[f:n] for row, f, n in zip(out.log_probs.view(len(lengths), -1), firsts, lengths, strict=True)]
@@ -394,7 +389,7 @@ class _Walk:
         past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
         scoring = self._segment_scoring(s.index, targets)
         with torch.enable_grad():
-            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, self._sharding(step.split))
+            out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
         forward = self._flops(len(inputs), s.own_start, scoring)
         self.stats.model_flops += forward
         outputs, grads = [], []

@@ -32,13 +32,13 @@ rounds, response ``round * R + r`` on rank r; ranks without one in the last roun
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-REPLAY_TOKENS = 8192  # default token budget of one replay batch: k leaves padded to the longest, k x T_max
+from .knobs import Knobs
+
 MODES = ("log_probs", "exact", "detached")  # what a walk computes: values only, or values and a gradient
 
 
@@ -81,7 +81,8 @@ def check_prompt_layout(captured: int, chunk_size: int | None, world: int) -> No
 
 @dataclass(frozen=True)
 class Split:
-    """How one step is split over the R ranks of a CP group (metadata; the group joins at run time).
+    """How one step is split over the R ranks of a CP group: metadata every rank has, the one description the
+    adapters' token mixers read at run time too (``adapters.base.SegmentContext``, with the group).
 
     Rank r runs ``query_sizes[r]`` tokens against its ``prefix_sizes[r]`` rows of state. ``consecutive``: the
     ranks' tokens are consecutive sub-slices of one sequence in rank order (capture and recompute chunks: state
@@ -156,18 +157,25 @@ class Step:
 @dataclass(frozen=True)
 class Plan:
     """Segments (by index; parents before children), rows (``pieces``: each row's scored values in order;
-    ``ends``: each row's last segment), ``capacity`` (state rows of the longest path on this rank), ``world``
-    and this rank."""
+    ``ends``: each row's last segment), ``capacity`` (state rows of the longest path on this rank), the knobs it
+    was built with, ``world`` and this rank; ``built_from``: the rows' shape it was built from (``star_source``,
+    ``tree_source``)."""
 
     segments: tuple[Segment, ...]
     pieces: tuple[tuple[Piece, ...], ...]
     ends: tuple[int, ...]
     capacity: int
-    replay_tokens: int
+    knobs: Knobs
     world: int = 1
     rank: int = 0
-    built_from: tuple = field(default=(), compare=False, repr=False)  # tree_plan_source of a tree's plan
+    built_from: tuple = field(default=(), compare=False, repr=False)
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def serves(self, built_from: tuple, knobs: Knobs, world: int, rank: int) -> bool:
+        """Whether this is the plan its builder makes of rows of shape ``built_from`` (``star_source``,
+        ``tree_source``: a tree's rows by their tokens too) with ``knobs`` on ``rank`` of ``world``."""
+        return (self.built_from == built_from and self.knobs.plans_like(knobs)
+                and (self.world, self.rank) == (world, rank))
 
     @property
     def num_rows(self) -> int:
@@ -211,7 +219,7 @@ class Plan:
         if self.world == 1:
             lengths = [self.segments[i].length for i in leaves]
             return [Step("replay", tuple(leaves[i] for i in batch), parent)
-                    for batch in replay_batches(lengths, self.replay_tokens)]
+                    for batch in replay_batches(lengths, self.knobs.replay_tokens)]
         steps = []
         state_rows = self.rank_rows_after(parent)
         spans = self._spans(parent)
@@ -341,7 +349,8 @@ def chain_bounds(start: int, end: int, chunk_size: int | None, min_length: int) 
     return [(s, e) for s, e in bounds]
 
 
-def _finish(segments: list[dict], rows: list[tuple[int, int]], replay_tokens: int, world: int, rank: int) -> Plan:
+def _finish(segments: list[dict], rows: list[tuple[int, int]], knobs: Knobs, world: int, rank: int,
+            built_from: tuple) -> Plan:
     """The plan of segments (dicts of ``parent``, ``start``, ``end``, ``score_from``, ``row``; parents first) and
     rows (first scored position, last segment), on ``rank`` of ``world``: a captured segment (one with children)
     is split into ``world`` contiguous parts, each rank's rows of a path its parts in path order."""
@@ -381,7 +390,7 @@ def _finish(segments: list[dict], rows: list[tuple[int, int]], replay_tokens: in
             index = seg.parent
         pieces.append(tuple(reversed(row_pieces)))
     capacity = max((s.row_end for s in built if s.children), default=0)  # leaves write no state
-    return Plan(tuple(built), tuple(pieces), tuple(end for _, end in rows), capacity, replay_tokens, world, rank)
+    return Plan(tuple(built), tuple(pieces), tuple(end for _, end in rows), capacity, knobs, world, rank, built_from)
 
 
 def _check_chunking(chunk_size: int | None, world: int) -> None:
@@ -392,28 +401,33 @@ def _check_chunking(chunk_size: int | None, world: int) -> None:
         )
 
 
+def star_source(prompt_len: int, response_lens: Sequence[int]) -> tuple:
+    """The rows' shape ``star_plan`` records as ``Plan.built_from``."""
+    return ("star", prompt_len, tuple(response_lens))
+
+
 def star_plan(
     prompt_len: int,
     response_lens: Sequence[int],
-    chunk_size: int | None = None,
-    replay_tokens: int = REPLAY_TOKENS,
+    knobs: Knobs = Knobs(),
     world: int = 1,
     rank: int = 0,
 ) -> Plan:
-    """One GRPO group: a prompt of ``prompt_len`` tokens (positions [0, P - 1) captured, in ``chunk_size`` chunks)
-    and one leaf per response of ``response_lens[i]`` tokens (input [p[-1]] + r[:-1], every position scored).
-    Rows: prompt + response i, scored from token P. ``world`` > 1: this ``rank``'s part of a CP group."""
+    """One GRPO group: a prompt of ``prompt_len`` tokens (positions [0, P - 1) captured, in ``knobs.chunk_size``
+    chunks) and one leaf per response of ``response_lens[i]`` tokens (input [p[-1]] + r[:-1], every position
+    scored); leaves replay in ``knobs.replay_tokens`` batches (the other knobs are not read). Rows: prompt +
+    response i, scored from token P. ``world`` > 1: this ``rank``'s part of a CP group."""
     captured = prompt_len - 1
     if world > 1:
-        check_prompt_layout(captured, chunk_size, world)
+        check_prompt_layout(captured, knobs.chunk_size, world)
     segments = [dict(parent=None if k == 0 else k - 1, start=s, end=e, score_from=e, row=0)
-                for k, (s, e) in enumerate(chain_bounds(0, captured, chunk_size, world))]
+                for k, (s, e) in enumerate(chain_bounds(0, captured, knobs.chunk_size, world))]
     last = len(segments) - 1 if segments else None
     rows = []
     for i, length in enumerate(response_lens):
         segments.append(dict(parent=last, start=captured, end=captured + length, score_from=captured, row=i))
         rows.append((captured, len(segments) - 1))
-    return _finish(segments, rows, replay_tokens, world, rank)
+    return _finish(segments, rows, knobs, world, rank, star_source(prompt_len, response_lens))
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor, limit: int) -> int:
@@ -422,49 +436,40 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor, limit: int) -> int:
     return int(differs[0, 0]) if len(differs) else limit
 
 
-def tree_plan_source(
-    sequences: Sequence[torch.Tensor],
-    score_starts: Sequence[int],
-    chunk_size: int | None,
-    response_chunk_size: int | None,
-    min_shared_tokens: int,
-    replay_tokens: int,
-    world: int,
-    rank: int,
-) -> tuple:
-    """What ``tree_plan`` builds a plan from, as ``Plan.built_from`` records it: a digest of the rows' token ids and
-    score starts, and the knobs, world and rank. A caller handed a plan compares it with its own arguments'
-    (``api.tree_backward``'s ``plan``) instead of building the plan again."""
-    digest = hashlib.blake2b(digest_size=16)
-    for ids, start in zip(sequences, score_starts, strict=True):
-        digest.update(f"{len(ids)}:{start};".encode())
-        digest.update(ids.detach().to("cpu", torch.int64).numpy().tobytes())
-    return (digest.hexdigest(), chunk_size, response_chunk_size, min_shared_tokens, replay_tokens, world, rank)
+def tree_source(sequences: Sequence[torch.Tensor], score_starts: Sequence[int]) -> tuple:
+    """The rows ``tree_plan`` records as ``Plan.built_from``: their lengths, score starts and a position-weighted
+    checksum of each row's token ids (the tree's sharing depends on the tokens, so a plan of other tokens of the
+    same lengths is refused). One vectorized pass and one host sync for all rows."""
+    lengths = tuple(len(ids) for ids in sequences)
+    flat = torch.cat([ids.reshape(-1).long() for ids in sequences])
+    starts = torch.tensor([0, *lengths[:-1]], device=flat.device).cumsum(0)
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device),
+                                  torch.tensor(lengths, device=flat.device))
+    weights = (torch.arange(len(flat), device=flat.device) - starts[row] + 1) % 1_000_003
+    sums = torch.zeros(len(lengths), dtype=torch.int64, device=flat.device).index_add_(0, row, flat * weights)
+    return ("tree", lengths, tuple(score_starts), tuple(sums.tolist()))
 
 
 def tree_plan(
     sequences: Sequence[torch.Tensor],
     score_starts: Sequence[int],
-    chunk_size: int | None = None,
-    response_chunk_size: int | None = None,
-    min_shared_tokens: int = 1,
-    replay_tokens: int = REPLAY_TOKENS,
+    knobs: Knobs = Knobs(),
     world: int = 1,
     rank: int = 0,
 ) -> Plan:
     """The prefix tree of rows ``sequences[i]`` (1-D token ids; compared on the host) scored from token
     ``score_starts[i]`` on (module docstring); ``world`` > 1: this ``rank``'s part of a CP group.
 
-    Rows share the input positions of their common prefix when it has at least ``min_shared_tokens`` tokens
+    Rows share the input positions of their common prefix when it has at least ``knobs.min_shared_tokens`` tokens
     (shorter sharing splits the rows into separate trees). Each trie node is cut where scoring starts (its rows'
-    earliest scored position), its unscored or shared part into ``chunk_size`` chains, a scored leaf into a
-    ``response_chunk_size`` chain (None: whole). Identical rows share every segment. Under CP every captured
-    segment has at least R positions (one per rank): a shorter chain tail joins the piece before it, a shorter
-    cut where scoring starts is not made (the segment scores from inside), and a shorter shared node is not
-    shared (its rows' children start where it would have).
+    earliest scored position), its unscored or shared part into ``knobs.chunk_size`` chains, a scored leaf into a
+    ``knobs.response_chunk_size`` chain (None: whole); leaves replay in ``knobs.replay_tokens`` batches.
+    Identical rows share every segment. Under CP every captured segment has at least R positions (one per rank): a
+    shorter chain tail joins the piece before it, a shorter cut where scoring starts is not made (the segment
+    scores from inside), and a shorter shared node is not shared (its rows' children start where it would have).
     """
-    _check_chunking(chunk_size, world)
-    _check_chunking(response_chunk_size, world)
+    _check_chunking(knobs.chunk_size, world)
+    _check_chunking(knobs.response_chunk_size, world)
     host = [s.detach().to("cpu") for s in sequences]
     positions = [len(s) - 1 for s in host]  # input positions of each row
     first_scored = [start - 1 for start in score_starts]  # each row's first scored input position
@@ -494,7 +499,7 @@ def tree_plan(
         ending = [r for r in rows if positions[r] == shared]
         continuing = groups_at([r for r in rows if positions[r] > shared], shared)
         branches = continuing + ([ending] if ending else [])
-        too_short = (parent is None and shared + 1 < min_shared_tokens) or 0 < shared - depth < world
+        too_short = (parent is None and shared + 1 < knobs.min_shared_tokens) or 0 < shared - depth < world
         if len(branches) > 1 and too_short:
             for group in branches:
                 build(group, depth, parent)  # not shared: each branch on its own
@@ -507,9 +512,9 @@ def tree_plan(
             else:  # a leaf: the unscored part is captured, the scored part replayed
                 cut = unscored_end if unscored_end - depth >= world else depth
             if cut > depth:
-                parent = add_chain(parent, depth, cut, cut, chunk_size, rows[0])
+                parent = add_chain(parent, depth, cut, cut, knobs.chunk_size, rows[0])
             if cut < shared:
-                size = chunk_size if continuing else response_chunk_size
+                size = knobs.chunk_size if continuing else knobs.response_chunk_size
                 parent = add_chain(parent, cut, shared, score_from, size, rows[0])
         for r in ending:
             ends[r] = parent
@@ -521,6 +526,5 @@ def tree_plan(
         roots.setdefault((int(s[0]), int(s[1])), []).append(r)
     for rows in roots.values():
         build(rows, 0, None)
-    plan = _finish(segments, list(zip(first_scored, ends, strict=True)), replay_tokens, world, rank)
-    return replace(plan, built_from=tree_plan_source(host, score_starts, chunk_size, response_chunk_size,
-                                                     min_shared_tokens, replay_tokens, world, rank))
+    return _finish(segments, list(zip(first_scored, ends, strict=True)), knobs, world, rank,
+                   tree_source(host, score_starts))

@@ -1,14 +1,14 @@
 """Profile one GRPO training step per setting: seconds per phase and peak memory, beside the pre-flight estimate.
 
 Each setting (group size G x prompt chunk size x replay budget ``replay_tokens`` x ``prompt_grad`` mode) runs one step
-of the core API on the local device, on a random group (``testing.make_group``: a prompt of P tokens, G responses of T
-tokens) with ``testing.weighted_loss``: ``capture_prompt`` once, then ``group_backward`` on its state. Per setting it
-records the wall seconds of the step and of its phases (``GroupStats``: capture, replay, prompt backward), the peak
-bytes the step allocates above what was live before it (model weights and their pre-allocated .grad excluded; CUDA:
-``torch.cuda.max_memory_allocated``, CPU: ``memory.AllocationMeter``, every storage the ops allocate) and
-``estimate.estimate_memory(...).total_bytes`` of the same knobs. Each setting runs a warm-up (on CPU the metered run, as
-the meter slows ops), then ``--repeats`` timed runs of which the fastest is kept (wall seconds: on a shared machine
-repeat, or pin threads with OMP_NUM_THREADS). ``--standard`` adds per G the standard path for reference: one
+of the core API on the local device, on a random group (``testing.compare.make_group``: a prompt of P tokens, G
+responses of T tokens) with ``testing.compare.weighted_loss``: ``capture_prompt`` once, then ``group_backward`` on its
+state. Per setting it records the wall seconds of the step and of its phases (``GroupStats``: capture, replay, prompt
+backward), the peak bytes the step allocates above what was live before it (model weights and their pre-allocated .grad
+excluded; CUDA: ``torch.cuda.max_memory_allocated``, CPU: ``memory.AllocationMeter``, every storage the ops allocate)
+and ``estimate.estimate_memory(...).total_bytes`` of the same knobs. Each setting runs a warm-up (on CPU the metered
+run, as the meter slows ops), then ``--repeats`` timed runs of which the fastest is kept (wall seconds: on a shared
+machine repeat, or pin threads with OMP_NUM_THREADS). ``--standard`` adds per G the standard path for reference: one
 forward and backward of the G full sequences in one batch (``benchmarks/bench_core.py``'s, so a source checkout).
 
 Writes ``{out}/{name}.csv`` (a row per setting; ``pareto`` marks the rows that no other row of the same work, the same G
@@ -43,11 +43,12 @@ import torch
 import transformers
 from tqdm import tqdm  # a transformers dependency
 
-from verl_longstraw import GroupStats, capture_prompt, group_backward
+from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward
 from verl_longstraw.estimate import estimate_memory
+from verl_longstraw.knobs import REPLAY_TOKENS
 from verl_longstraw.memory import AllocationMeter
-from verl_longstraw.plan import REPLAY_TOKENS
-from verl_longstraw.testing import load_script, make_group, weighted_loss
+from verl_longstraw.testing.compare import make_group, weighted_loss
+from verl_longstraw.testing.scripts import load_script
 from verl_longstraw.timing import Stopwatch
 from verl_longstraw.tiny import COMMON, tiny_model
 
@@ -93,9 +94,9 @@ def longstraw_step(model, prompt, responses, prompt_grad: str, chunk_size: int |
     model.zero_grad(set_to_none=False)
     stats = GroupStats()
     watch = Stopwatch(prompt.device)
-    state = capture_prompt(model, prompt, chunk_size, for_backward=prompt_grad == "exact", stats=stats)
-    group_backward(model, prompt, responses, weighted_loss, prompt_grad, chunk_size, stats=stats, state=state,
-                   replay_tokens=replay_tokens)
+    knobs = Knobs(prompt_grad=prompt_grad, chunk_size=chunk_size, replay_tokens=replay_tokens)
+    state = capture_prompt(model, prompt, for_backward=prompt_grad == "exact", stats=stats, knobs=knobs)
+    group_backward(model, prompt, responses, weighted_loss, stats=stats, state=state, knobs=knobs)
     return stats, watch.seconds()
 
 

@@ -1,10 +1,12 @@
 """Tiny random-init models of every supported family, built from transformers configs (no hub).
 
-Used by the tests, the benchmarks and the CPU examples; sizes are in ``tiny_config``.
+Used by the tests, the benchmarks, the CPU examples and ``python -m verl_longstraw.profile --model tiny:<family>``;
+each family's config is one row of ``TINY_CONFIGS``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -16,10 +18,84 @@ VOCAB = 128
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False
 )
+GQA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# Gated DeltaNet : attention = 1 : 1 (Qwen3-Next, Qwen3.5)
+GATED_DELTA_HYBRID = dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)
+# MLA attention, a dense first layer, then MoE (DeepSeek-V3 and its DSA successors)
+MLA_MOE = dict(
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, first_k_dense_replace=1, n_group=1,
+    topk_group=1, **MOE,
+)
+DSA_INDEXER = dict(index_topk=4096, index_n_heads=2, index_head_dim=16)
+
+# family -> (transformers config class name, its fields). Names, not classes: a release without the class (kimi_linear
+# and deepseek_v32 in 5.10) still imports this module, and ``unavailable`` reports the family.
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("Qwen3Config", dict(**COMMON, **GQA, head_dim=16)),
+    "llama": ("LlamaConfig", dict(**COMMON, **GQA)),
+    "qwen2": ("Qwen2Config", dict(**COMMON, **GQA)),
+    "mistral": ("MistralConfig", dict(**COMMON, **GQA, sliding_window=None)),  # Mistral-Nemo/Small-3 (full layers)
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        **COMMON, **MOE, **GATED_DELTA_HYBRID, num_experts=4, shared_expert_intermediate_size=32, decoder_sparse_step=2,
+    )),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(**COMMON, **GATED_DELTA_HYBRID)),
+    # every other layer sparse (decoder_sparse_step 2): a dense and a MoE layer
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        **COMMON, **MOE, **GQA, head_dim=16, num_experts=4, decoder_sparse_step=2, norm_topk_prob=True,
+    )),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(
+        **{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **MOE, **GATED_DELTA_HYBRID, num_experts=4,
+        shared_expert_intermediate_size=32,
+    )),
+    # a dense first layer, then MoE with a shared expert; partial rotary, q/k norm, biases
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        **COMMON, **MOE, **GQA, head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        use_qk_norm=True, attention_bias=True,
+    )),
+    "deepseek_v3": ("DeepseekV3Config", dict(**COMMON, **MLA_MOE)),
+    # DeepSeek-V3.2: a DSA indexer on every layer (split-half rope in it)
+    "deepseek_v32": ("DeepseekV32Config", dict(**COMMON, **MLA_MOE, **DSA_INDEXER)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(**COMMON, **MLA_MOE, **DSA_INDEXER)),
+    # KDA : MLA (NoPE) = 2 : 1, a dense first MLP then MoE with a shared expert
+    "kimi_linear": ("KimiLinearConfig", dict(
+        **COMMON, **MOE, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2,
+        linear_head_dim=16, linear_conv_kernel_dim=4, num_local_experts=4, n_shared_experts=1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )),
+    # Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several
+    "nemotron_h": ("NemotronHConfig", dict(
+        **COMMON, **MOE, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+        moe_shared_expert_intermediate_size=32,
+    )),
+    # Granite 4.0: Mamba2 and RoPE attention layers, MoE + shared MLP, multipliers
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
+        embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+    )),
+    # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
+    "gpt_oss": ("GptOssConfig", dict(
+        **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        num_local_experts=4, num_experts_per_tok=2,
+    )),
+}
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
-    """Config of a 2-4 layer model of ``family`` (hidden 64, vocab 128); ``overrides`` set config fields."""
+    """Config of a 2-4 layer model of ``family`` (hidden 64, vocab 128; ``TINY_CONFIGS``); ``overrides`` set config
+    fields."""
     config = _base_config(family)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -35,108 +111,12 @@ def use_reference_kernels(config: transformers.PretrainedConfig) -> transformers
     return config
 
 
-def _base_config(family: str):
-    if family == "qwen3":
-        return transformers.Qwen3Config(
-            **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
-        )
-    if family in ("llama", "qwen2", "mistral"):
-        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                        "mistral": transformers.MistralConfig}[family]
-        window = dict(sliding_window=None) if family == "mistral" else {}  # Mistral-Nemo/Small-3 style (full layers)
-        return config_class(**COMMON, **window, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    if family in ("qwen3_next", "qwen3_5"):
-        hybrid = dict(
-            num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-        )
-        if family == "qwen3_next":
-            return transformers.Qwen3NextConfig(
-                **COMMON, **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=32, decoder_sparse_step=2,
-            )
-        return transformers.Qwen3_5TextConfig(**COMMON, **hybrid)
-    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-    if family == "qwen3_moe":  # every other layer sparse (decoder_sparse_step 2): a dense and a MoE layer
-        return transformers.Qwen3MoeConfig(
-            **COMMON, **moe, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=4, decoder_sparse_step=2, norm_topk_prob=True,
-        )
-    if family == "qwen3_5_moe":
-        return transformers.Qwen3_5MoeTextConfig(
-            **{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **moe, num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            num_experts=4, shared_expert_intermediate_size=32,
-        )
-    if family == "glm4_moe":  # a dense first layer, then MoE with a shared expert; partial rotary, q/k norm, biases
-        return transformers.Glm4MoeConfig(
-            **COMMON, **moe, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
-        )
-    if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
-        mla = dict(
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=24,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-        )
-        if family == "deepseek_v3":
-            return transformers.DeepseekV3Config(**COMMON, **mla)
-        if family == "deepseek_v32":  # DeepSeek-V3.2: a DSA indexer on every layer (split-half rope in it)
-            return transformers.DeepseekV32Config(**COMMON, **mla, index_topk=4096, index_n_heads=2,
-                                                  index_head_dim=16)
-        return transformers.GlmMoeDsaConfig(
-            **COMMON, **mla, index_topk=4096, index_n_heads=2, index_head_dim=16
-        )
-    if family == "kimi_linear":  # KDA : MLA (NoPE) = 2 : 1, a dense first MLP then MoE with a shared expert
-        return transformers.KimiLinearConfig(
-            **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-            mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
-            kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2,
-            linear_head_dim=16, linear_conv_kernel_dim=4, num_local_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, n_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        )
-    if family == "nemotron_h":  # Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several
-        return transformers.NemotronHConfig(
-            **COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
-            n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
-        )
-    if family == "granitemoehybrid":  # Granite 4.0: Mamba2 and RoPE attention layers, MoE + shared MLP, multipliers
-        return transformers.GraniteMoeHybridConfig(
-            **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
-            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1, num_local_experts=4,
-            num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
-            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
-        )
-    if family == "gpt_oss":  # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
-        return transformers.GptOssConfig(
-            **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
-        )
-    raise ValueError(family)
+def _base_config(family: str) -> transformers.PretrainedConfig:
+    """``TINY_CONFIGS[family]`` built (AttributeError where the installed transformers lacks its class)."""
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_CONFIGS)}")
+    class_name, fields = TINY_CONFIGS[family]
+    return getattr(transformers, class_name)(**copy.deepcopy(fields))  # a copy: configs keep the layer_types lists
 
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path

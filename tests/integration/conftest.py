@@ -2,7 +2,7 @@
 
 import pytest
 
-from verl_longstraw.integration import testing
+from verl_longstraw.testing import verl_harness as testing
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from verl_longstraw import Knobs
 from verl_longstraw.parallel.launch import run_ranks
 
 FAMILIES = ("qwen3", "qwen3_next", "deepseek_v3")  # dense, hybrid Gated DeltaNet, MLA
@@ -38,7 +39,7 @@ TREE_CASES = (("system_prompt", "vanilla", True), ("system_prompt", "gspo", Fals
 
 
 def _batch(rank: int, world: int):
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     return testing.make_batch(n_groups=3, group_size=4, seed=SEED, rank=rank, world_size=world, prompt_len=PROMPTS)
 
@@ -47,8 +48,8 @@ def _run(strategy: str, family: str, mode: str, model_dir: str, rank: int, world
     """log-probs (padded, response positions) and parameters after one step of one engine on this rank's rows."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_longstraw.integration import testing
-    from verl_longstraw.parallel.fsdp_probe import FsdpRecorder
+    from verl_longstraw.testing import verl_harness as testing
+    from verl_longstraw.testing.fsdp_probe import FsdpRecorder
 
     cp = knobs.get("context_parallel_size", 1)
     cfg = testing.actor_config(strategy, mode, True, 0.01, mbs, **knobs)
@@ -81,7 +82,7 @@ def _preflight_error(engine, td, cfg, mbs: int) -> tuple[str, int]:
     import dataclasses
 
     import verl_longstraw.api as api
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     captures = []
     original = api.capture
@@ -115,7 +116,7 @@ def _whole_prompt_state(model_dir: str, td) -> dict:
                                rank=rank).state_bytes
 
     return {
-        "bytes": capture_prompt(model, prompt, CHUNK, for_backward=True).nbytes(),
+        "bytes": capture_prompt(model, prompt, for_backward=True, knobs=Knobs(chunk_size=CHUNK)).nbytes(),
         "estimate_whole": estimate(1, 0),
         "estimate_rank": [estimate(CP, r) for r in range(CP)],
     }
@@ -127,7 +128,7 @@ def _run_tree(strategy: str, batch: str, loss_mode: str, model_dir: str, rank: i
     rank's half of the rows, longstraw (one CP group) all of them in one micro-batch."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     shards = 1 if strategy == "longstraw" else world
     td = testing.TREE_BATCHES[batch](seed=3, rank=rank if shards > 1 else 0, world_size=shards)
@@ -153,7 +154,7 @@ def _run_lora(strategy: str, model_dir: str, rank: int, world: int, mbs: int, **
     (``LORA``), on this rank's rows (fsdp2) or its CP group's (longstraw)."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, **knobs)
     torch.manual_seed(0)  # peft draws the LoRA A matrices from the global generator: the same everywhere
@@ -196,14 +197,14 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], families: tuple[s
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory):
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     root = tmp_path_factory.mktemp("cp_models")
     return {f: testing.save_tiny_model(f, str(root / f)) for f in FAMILIES}
 
 
 def _check_parity(results: list[dict], world: int, families, modes) -> None:
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     for family in families:
         for mode in modes:
@@ -266,8 +267,8 @@ def test_two_ranks_trees_match_fsdp2(two_rank_results, case):
     """Prefix trees split over the CP group: fsdp2's log-probs (its two ranks' halves of the rows) and parameters
     after the step, on every rank; the walk took the path asked for and forwarded fewer tokens than the star path
     would have (the system prompt once, not once per group)."""
-    from verl_longstraw.integration import testing
     from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
+    from verl_longstraw.testing import verl_harness as testing
 
     batch, loss_mode, single = case
     stock = [r[batch, loss_mode, "fsdp2"] for r in two_rank_results]
@@ -286,7 +287,7 @@ def test_two_ranks_trees_match_fsdp2(two_rank_results, case):
 def test_two_ranks_lora_matches_fsdp2(two_rank_results):
     """LoRA (veRL's peft model, qwen3_next) on one CP group of 2 ranks: fsdp2's log-probs and LoRA parameters after
     the step on every rank, the base parameters unchanged."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     stock = [r["lora", "fsdp2"] for r in two_rank_results]
     stock_lp = torch.cat([s["log_probs"] for s in stock])

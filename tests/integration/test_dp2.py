@@ -3,8 +3,8 @@ and micro-batches."""
 
 import os
 
-from verl_longstraw.integration import testing
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.testing import verl_harness as testing
 
 MBS = 3  # 12 shuffled samples of 3 groups -> 6 per rank -> 2 micro-batches per rank
 CASES = (("token-mean", True), ("seq-mean-token-mean", False))  # (loss_agg_mode, KL loss + entropy)

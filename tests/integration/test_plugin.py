@@ -91,10 +91,23 @@ def test_config_rejects_unknown_and_inconsistent_settings():
         LongStrawConfig(prompt_grad="approx")
     with pytest.raises(ValueError, match="chunk_size"):
         LongStrawConfig(chunk_size=0)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.longstraw\.min_shared_tokens must be a positive"):
+        LongStrawConfig(min_shared_tokens=0)
     with pytest.raises(ValueError, match="Unknown key"):
         as_longstraw_config({"prompt_grad": "exact", "chunk": 4})
     with pytest.raises(ValueError, match="use_fused_kernels"):
         check_supported({"use_fused_kernels": True})
+
+
+def test_config_builds_the_knobs_once():
+    """The config's knobs are one validated ``Knobs`` built with it (what the engine hands every walk), not a
+    config key."""
+    from verl_longstraw import Knobs
+    from verl_longstraw.integration.config import KNOBS, LongStrawConfig, as_longstraw_config
+
+    config = as_longstraw_config({"chunk_size": 8, "prompt_grad": "detached", "replay_tokens": 64})
+    assert config.knobs == Knobs(chunk_size=8, min_shared_tokens=64, replay_tokens=64, prompt_grad="detached")
+    assert "knobs" not in KNOBS and "knobs" not in dict(LongStrawConfig())
 
 
 def test_critic_strategy_longstraw_names_the_fix(model_dirs):
@@ -126,8 +139,8 @@ def test_engine_refuses_context_parallel_for_window_layers(tmp_path):
     from verl.workers.config import HFModelConfig
 
     from verl_longstraw import UnsupportedModelError
-    from verl_longstraw.integration import testing
     from verl_longstraw.integration.engine import LongStrawEngine
+    from verl_longstraw.testing import verl_harness as testing
 
     model_config = HFModelConfig(path=testing.save_tiny_model("gpt_oss", str(tmp_path / "gpt_oss")),
                                  load_tokenizer=False)

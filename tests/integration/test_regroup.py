@@ -3,7 +3,7 @@
 import pytest
 
 from verl_longstraw.integration import regroup as rg
-from verl_longstraw.integration.testing import make_batch
+from verl_longstraw.testing.verl_harness import make_batch
 
 
 def _reference(td) -> dict[tuple, list[int]]:

@@ -9,7 +9,7 @@ from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
 from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES, splits_by_response
-from verl_longstraw.integration.testing import actor_config, full, make_batch, make_engine, rel_diff
+from verl_longstraw.testing.verl_harness import actor_config, full, make_batch, make_engine, rel_diff
 
 MBS = 4
 

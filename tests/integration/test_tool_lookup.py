@@ -31,7 +31,8 @@ import pytest
 import torch
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_longstraw.integration.testing import (
+from verl_longstraw.testing.scripts import load_script
+from verl_longstraw.testing.verl_harness import (
     actor_config,
     infer,
     make_engine,
@@ -40,7 +41,6 @@ from verl_longstraw.integration.testing import (
     save_tiny_model,
     train_step,
 )
-from verl_longstraw.testing import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tool_lookup"

@@ -15,7 +15,8 @@ import verl_longstraw.api as api_module
 import verl_longstraw.integration.engine as engine_module
 from verl_longstraw.integration.losses import PER_RESPONSE_POLICY_LOSSES
 from verl_longstraw.integration.regroup import prefix_trees
-from verl_longstraw.integration.testing import (
+from verl_longstraw.plan import tree_plan
+from verl_longstraw.testing.verl_harness import (
     TREE_BATCHES,
     actor_config,
     infer,
@@ -24,7 +25,6 @@ from verl_longstraw.integration.testing import (
     save_tiny_model,
     train_step,
 )
-from verl_longstraw.plan import tree_plan
 
 MIN_SHARED = 8  # longstraw.min_shared_tokens: shorter than the test prompts, so every case shares
 TOL = 1e-5  # fp32: log-probs and entropies (absolute), gradients and parameters after the step (relative)
@@ -58,8 +58,7 @@ def plans(td, knobs):
     trees = prefix_trees([td])
 
     def plan(sequences, starts):
-        return tree_plan(sequences, starts, knobs.chunk_size, knobs.response_chunk_size, knobs.min_shared_tokens,
-                         knobs.replay_tokens)
+        return tree_plan(sequences, starts, knobs.knobs)
 
     shared = [plan(t.sequences, t.score_starts) for t in trees]
     alone = [plan([s], [p]) for t in trees for s, p in zip(t.sequences, t.score_starts, strict=True)]
@@ -178,13 +177,27 @@ def test_update_actor_matches_fsdp2(engines, name, monkeypatch):
     assert rel_diff(pl, ps) <= TOL
 
 
+def count_trees(monkeypatch) -> list[int]:
+    """The number of micro-batches of each ``prefix_trees`` call the engine makes from now on."""
+    made = []
+
+    def counted(micro_batches, *args, **kwargs):
+        made.append(len(micro_batches))
+        return prefix_trees(micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "prefix_trees", counted)
+    return made
+
+
 @pytest.mark.parametrize("single_forward", [True, False], ids=["single_forward", "two_pass"])
-def test_one_walk_spans_the_micro_batches(engines, single_forward):
+def test_one_walk_spans_the_micro_batches(engines, single_forward, monkeypatch):
     """Micro-batches of 4 rows, groups spread across them (4 groups sharing a system prompt): the step walks
     every row as one set of trees (the tokens forwarded are those trees' plans', fewer than the micro-batches'
     own trees'), while each row's loss term stays its micro-batch's. Without veRL's ``global_batch_size``,
     seq-mean-token-mean divides each micro-batch's loss by its own count of rows, so weighing a row by the tree's
-    rows instead (1/16, not 1/4) moves the parameters away from fsdp2's."""
+    rows instead (1/16, not 1/4) moves the parameters away from fsdp2's. The micro-batches' own trees (the
+    pre-flight's fallback) are never made: the call's fit."""
+    made = count_trees(monkeypatch)
     stock, longstraw = engines("qwen3")
     td = TREE_BATCHES["system_prompt"](seed=3)
     tu.assign_non_tensor(td, global_batch_size=None)
@@ -200,6 +213,7 @@ def test_one_walk_spans_the_micro_batches(engines, single_forward):
         longstraw.longstraw = knobs
     assert rel_diff(gl, gs) <= TOL
     assert rel_diff(pl, ps) <= TOL
+    assert made and set(made) == {len(td) // mbs}  # the whole call's trees only
     modes = ("exact",) if single_forward else ("log_probs", "exact")
     assert_walked(metrics, td, longstraw.longstraw, modes)
     per_micro_batch = [p for mb in tu.chunk_tensordict(td, len(td) // mbs) for p in plans(mb, longstraw.longstraw)[0]]
@@ -210,7 +224,9 @@ def test_one_walk_spans_the_micro_batches(engines, single_forward):
 
 def test_preflight_walks_the_micro_batches_where_one_walk_would_not_fit(engines, monkeypatch):
     """When the estimate says a tree of the whole call does not fit (here: any tree of more than 4 rows), the
-    micro-batches' own trees are walked: fsdp2's parameters, the tokens of the per-micro-batch plans."""
+    micro-batches' own trees are walked (made once the call's were refused): fsdp2's parameters, the tokens of the
+    per-micro-batch plans."""
+    made = count_trees(monkeypatch)
     monkeypatch.setattr(engine_module.LongStrawEngine, "_over_budget",
                         lambda self, unit, estimate, model_bytes: "too big" if len(unit.rows) > 4 else None)
     stock, longstraw = engines("qwen3")
@@ -221,6 +237,7 @@ def test_preflight_walks_the_micro_batches_where_one_walk_would_not_fit(engines,
     gl, pl, metrics = train_step(longstraw, td.clone(), cfg_l, mbs)
     assert rel_diff(gl, gs) <= TOL
     assert rel_diff(pl, ps) <= TOL
+    assert made == [len(td) // mbs] + [1] * (len(td) // mbs)  # the call's trees, refused, then each micro-batch's
     per_micro_batch = [p for mb in tu.chunk_tensordict(td, len(td) // mbs) for p in plans(mb, longstraw.longstraw)[0]]
     assert metric_sum(metrics, "longstraw/fragments") == len(per_micro_batch)
     tokens = sum(p.tokens_forwarded("exact") for p in per_micro_batch)

@@ -17,7 +17,7 @@ from verl_longstraw.ops.attention import (
     prefix_causal_attention_reference,
 )
 from verl_longstraw.ops.blocked_attention import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
-from verl_longstraw.testing import no_worse_than_standard
+from verl_longstraw.testing.compare import no_worse_than_standard
 
 NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

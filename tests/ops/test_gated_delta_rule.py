@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_longstraw.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference
-from verl_longstraw.testing import errors_against_exact, no_worse_than_standard
+from verl_longstraw.testing.compare import errors_against_exact, no_worse_than_standard
 
 B, H, DK, DV = 2, 3, 8, 6
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")

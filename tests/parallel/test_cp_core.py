@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.testing import float64_throughout, value_error_message
+from verl_longstraw.testing.compare import float64_throughout, value_error_message
 from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_model, unavailable
 
 
@@ -29,10 +29,11 @@ def _loss(i: int, lp: torch.Tensor) -> torch.Tensor:
 def _run(model, prompt, responses, chunk, mode, group):
     """(log-probs [G] list, losses [G], flat parameter gradient summed over the group)."""
     model.zero_grad(set_to_none=True)
-    state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=mode == "exact", cp_group=group)
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group).log_probs
-    losses = group_backward(model, prompt, responses, _loss, prompt_grad=mode, chunk_size=chunk, state=state,
-                            cp_group=group).losses
+    state = capture_prompt(model, prompt, for_backward=mode == "exact", cp_group=group, knobs=Knobs(chunk_size=chunk))
+    log_probs = group_log_probs(model, prompt, responses, state=state, cp_group=group,
+                                knobs=Knobs(chunk_size=chunk)).log_probs
+    losses = group_backward(model, prompt, responses, _loss, state=state, cp_group=group,
+                            knobs=Knobs(prompt_grad=mode, chunk_size=chunk)).losses
     grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
     if group is not None:
         dist.all_reduce(grad, group=group)
@@ -100,7 +101,7 @@ def _float64_cases(world: int) -> list[tuple]:
 
 
 def _float64_worker(rank: int, world: int) -> list[dict]:
-    """Float64 models computing in float64 throughout (``testing.float64_throughout``: transformers' norms, routers
+    """Float64 models computing in float64 throughout (``compare.float64_throughout``: transformers' norms, routers
     and Mamba2 / KDA / Gated DeltaNet kernels, and LongStraw's scoring, ask for float32 otherwise): CP against one
     process on the same model and inputs, exact mode."""
     group = dist.new_group(list(range(world)))
@@ -153,12 +154,12 @@ def _bad_input_worker(rank: int, world: int) -> list[str]:
     other_responses = [r.clone() for r in responses]
     other_responses[-1] = other_responses[-1][: 1 + rank]
     expect_error(lambda: group_log_probs(model, prompt, other_responses, cp_group=group))
-    expect_error(lambda: group_log_probs(model, prompt, responses, chunk_size=8 + rank, cp_group=group))
+    expect_error(lambda: group_log_probs(model, prompt, responses, cp_group=group, knobs=Knobs(chunk_size=8 + rank)))
     # bad input on one rank only: every rank raises
     bad = responses if rank else [responses[0], torch.tensor([VOCAB + 5])]
     expect_error(lambda: group_backward(model, prompt, bad, _loss, cp_group=group))
     # more ranks than tokens per chunk, and a prompt shorter than the group
-    expect_error(lambda: group_log_probs(model, prompt, responses, chunk_size=world - 1, cp_group=group))
+    expect_error(lambda: group_log_probs(model, prompt, responses, cp_group=group, knobs=Knobs(chunk_size=world - 1)))
     expect_error(lambda: group_log_probs(model, prompt[:world - 1], responses, cp_group=group))
     # a loss_fn that returns a non-scalar on one rank's response
     expect_error(lambda: group_backward(model, prompt, responses, lambda i, lp: lp if i == 1 else lp.sum(),

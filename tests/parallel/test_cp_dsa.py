@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.ops.dsa_topk import dsa_topk_mask
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.dsa import sharded_dsa_topk_mask
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.parallel.segment import SegmentSharding
-from verl_longstraw.plan import split_evenly, star_plan
-from verl_longstraw.testing import make_group, weighted_loss
+from verl_longstraw.plan import Split, split_evenly, star_plan
+from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 HEADS, DIM = 4, 16
@@ -46,12 +45,11 @@ def _has_boundary_tie(q, weights, keys) -> bool:
 
 def _op_case(rank: int, world: int, group, consecutive: bool, tied: bool, seed: int) -> dict:
     """This rank's distributed mask against the columns of the single-process masks it should equal."""
-    plan = star_plan(PREFIX + 1, [1], PREFIX_CHUNK, world=world, rank=rank)
+    plan = star_plan(PREFIX + 1, [1], Knobs(chunk_size=PREFIX_CHUNK), world=world, rank=rank)
     spans = tuple((plan.segments[k].own_start, plan.segments[k].own_end) for k in plan.captured)
     rows = torch.cat([torch.arange(start, end) for start, end in spans])
     query_sizes = tuple(split_evenly(23, world)) if consecutive else tuple(4 + 3 * r for r in range(world))
-    sharding = SegmentSharding(group, query_sizes, plan.rank_rows_after(plan.captured[-1]), consecutive,
-                               prefix_spans=spans)
+    split = Split(query_sizes, plan.rank_rows_after(plan.captured[-1]), consecutive, spans)
     # every rank draws every rank's tokens: one sequence (prefix ++ segment) or a response per rank
     if consecutive:
         sequences = [_inputs(PREFIX + sum(query_sizes), seed, tied)]
@@ -76,7 +74,7 @@ def _op_case(rank: int, world: int, group, consecutive: bool, tied: bool, seed: 
             for j, ref in enumerate(references)
         ])
     with trace_collectives() as trace:
-        got = sharded_dsa_topk_mask(q[mine], w[mine], keys[rows], keys[mine], SCALE, TOPK, sharding,
+        got = sharded_dsa_topk_mask(q[mine], w[mine], keys[rows], keys[mine], SCALE, TOPK, split, group,
                                     key_block=7, query_block=5)
     return {"equal": torch.equal(got, expected), "ties": ties, "trace": trace}
 
@@ -86,10 +84,11 @@ def _model_case(group, chunk: int | None, num_responses: int, seed: int) -> dict
     model = tiny_model("glm_moe_dsa", torch.float32, seed=seed, index_topk=16,
                        indexer_types=["full", "full", "shared"])
     prompt, responses = make_group(VOCAB, 97, [3 + (5 * i + seed) % 11 for i in range(num_responses)], seed=seed)
-    state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=True, cp_group=group)
-    log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group).log_probs
-    losses = group_backward(model, prompt, responses, weighted_loss, chunk_size=chunk, state=state,
-                            cp_group=group).losses
+    state = capture_prompt(model, prompt, for_backward=True, cp_group=group, knobs=Knobs(chunk_size=chunk))
+    log_probs = group_log_probs(model, prompt, responses, state=state, cp_group=group,
+                                knobs=Knobs(chunk_size=chunk)).log_probs
+    losses = group_backward(model, prompt, responses, weighted_loss, state=state, cp_group=group,
+                            knobs=Knobs(chunk_size=chunk)).losses
     grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
     if group is not None:
         dist.all_reduce(grad, group=group)
@@ -137,5 +136,5 @@ def test_indexer_queries_projected_only_when_topk_selects(index_topk, projects):
     for indexer in indexers:
         indexer.wq_b.register_forward_hook(lambda *_: calls.append(1))
     prompt, responses = make_group(VOCAB, 40, (8,))
-    group_log_probs(model, prompt, responses, chunk_size=16)
+    group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=16))
     assert bool(calls) == projects, len(calls)

@@ -7,7 +7,7 @@ an untied embedding, then the root):
 - bf16 mixed precision with ``cast_forward_inputs=True`` (veRL's policy): the Gated DeltaNet
   recurrent state a layer sees stays float32.
 
-FSDP2 internals are observed through ``verl_longstraw.parallel.fsdp_probe`` (test-only instrumentation).
+FSDP2 internals are observed through ``verl_longstraw.testing.fsdp_probe`` (test-only instrumentation).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from verl_longstraw import capture_prompt, group_backward, group_log_probs
+from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.adapters import hybrid
 from verl_longstraw.parallel import comm
-from verl_longstraw.parallel.fsdp_probe import FsdpRecorder
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.testing.fsdp_probe import FsdpRecorder
 from verl_longstraw.tiny import VOCAB, tiny_model
 
 
@@ -48,13 +48,14 @@ def _lockstep_worker(rank: int, world: int, family: str) -> dict:
     model = _wrap(tiny_model(family, torch.float32))
     group = dist.new_group(list(range(world)))
 
-    ref_lps = group_log_probs(reference, prompt, responses, chunk_size=48).log_probs
-    group_backward(reference, prompt, responses, _loss, chunk_size=48)
+    ref_lps = group_log_probs(reference, prompt, responses, knobs=Knobs(chunk_size=48)).log_probs
+    group_backward(reference, prompt, responses, _loss, knobs=Knobs(chunk_size=48))
 
     with FsdpRecorder(list(model.model.layers)) as recorder, comm.trace_collectives() as cp_trace:
-        state = capture_prompt(model, prompt, chunk_size=48, cp_group=group)
-        lps = group_log_probs(model, prompt, responses, chunk_size=48, state=state, cp_group=group).log_probs
-        group_backward(model, prompt, responses, _loss, chunk_size=48, state=state, cp_group=group)
+        state = capture_prompt(model, prompt, cp_group=group, knobs=Knobs(chunk_size=48))
+        lps = group_log_probs(model, prompt, responses, state=state, cp_group=group,
+                              knobs=Knobs(chunk_size=48)).log_probs
+        group_backward(model, prompt, responses, _loss, state=state, cp_group=group, knobs=Knobs(chunk_size=48))
         kept_unsharded_grad = recorder.kept_unsharded_grad()
     # FSDP averages the ranks' partial gradients over the shard group: x world gives their sum
     grad_errors = []
@@ -98,7 +99,7 @@ def _mixed_precision_worker(rank: int, world: int) -> list[str]:
     try:
         prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
         responses = [torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(1))]
-        group_backward(model, prompt, responses, _loss, chunk_size=16)
+        group_backward(model, prompt, responses, _loss, knobs=Knobs(chunk_size=16))
     finally:
         hybrid.gated_deltanet_mix = original
     return seen

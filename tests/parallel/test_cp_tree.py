@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_longstraw import tree_backward, tree_log_probs
+from verl_longstraw import Knobs, tree_backward, tree_log_probs
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.testing import float64_throughout, value_error_message
+from verl_longstraw.testing.compare import float64_throughout, value_error_message
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chunk_size, response_chunk_size, mode
-# Float64 models computing in float64 throughout (``testing.float64_throughout``): values relative to their
+# Float64 models computing in float64 throughout (``testing.compare.float64_throughout``): values relative to their
 # magnitude and gradients relative L2, against one process (measured at R = 2, 3, AMD EPYC Zen 4: <= 7.3e-16)
 FLOAT64_TOL = 1e-10
 
@@ -56,10 +56,10 @@ def _loss(i: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
 def _run(model, rows, starts, config, group):
     """(backward result, log-prob result, flat parameter gradient summed over the group)."""
     chunk, response_chunk, mode = config
-    knobs = dict(chunk_size=chunk, response_chunk_size=response_chunk, cp_group=group)
+    knobs = Knobs(chunk_size=chunk, response_chunk_size=response_chunk, prompt_grad=mode)
     model.zero_grad(set_to_none=True)
-    result = tree_backward(model, rows, starts, _loss, prompt_grad=mode, with_entropy=True, **knobs)
-    log_probs = tree_log_probs(model, rows, starts, return_entropy=True, **knobs)
+    result = tree_backward(model, rows, starts, _loss, with_entropy=True, cp_group=group, knobs=knobs)
+    log_probs = tree_log_probs(model, rows, starts, return_entropy=True, cp_group=group, knobs=knobs)
     grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
                       for p in model.parameters()])
     if group is not None:
@@ -125,9 +125,10 @@ def _bad_input_worker(rank: int, world: int) -> list[str]:
     other[2][-1] = (other[2][-1] + rank) % VOCAB  # a different tree on each rank
     expect_error(lambda: tree_log_probs(model, other, starts, cp_group=group))
     expect_error(lambda: tree_log_probs(model, rows, [s + (rank == 1) for s in starts], cp_group=group))
-    expect_error(lambda: tree_log_probs(model, rows, starts, min_shared_tokens=4 + rank, cp_group=group))
-    expect_error(lambda: tree_log_probs(model, rows, starts, response_chunk_size=0 if rank else 4, cp_group=group))
-    expect_error(lambda: tree_log_probs(model, rows, starts, chunk_size=world - 1, cp_group=group))
+    expect_error(lambda: tree_log_probs(model, rows, starts, cp_group=group, knobs=Knobs(min_shared_tokens=4 + rank)))
+    # a bad knob cannot reach a collective (``Knobs`` refuses it when built); ranks passing different ones
+    expect_error(lambda: tree_log_probs(model, rows, starts, cp_group=group, knobs=Knobs(response_chunk_size=4 + rank)))
+    expect_error(lambda: tree_log_probs(model, rows, starts, cp_group=group, knobs=Knobs(chunk_size=world - 1)))
     return messages
 
 

@@ -14,7 +14,7 @@ from packaging.version import Version
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.estimate import (
     count_units,
     estimate_memory,
@@ -25,7 +25,7 @@ from verl_longstraw.estimate import (
 )
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.testing import make_group, weighted_loss
+from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
 needs_plan = pytest.mark.skipif(Version(transformers.__version__) < ep.MIN_TRANSFORMERS,
@@ -50,8 +50,9 @@ def _worker(rank: int, world: int) -> dict:
     experts = ep.apply_expert_parallel(model, dist.group.WORLD)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, [RESPONSE_LEN] * world)
     with torch.no_grad(), ep.trace_all_to_all() as sent:  # no grad: the forward's exchanges only
-        group_log_probs(model, prompt, responses, chunk_size=CHUNK, cp_group=dist.group.WORLD)
-    group_backward(model, prompt, responses, weighted_loss, "exact", CHUNK, cp_group=dist.group.WORLD)
+        group_log_probs(model, prompt, responses, cp_group=dist.group.WORLD, knobs=Knobs(chunk_size=CHUNK))
+    group_backward(model, prompt, responses, weighted_loss, cp_group=dist.group.WORLD,
+                   knobs=Knobs(prompt_grad="exact", chunk_size=CHUNK))
     out = {
         "sent": sent,
         "counts": count_units(model),

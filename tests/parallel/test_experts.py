@@ -15,11 +15,11 @@ import torch.distributed as dist
 import transformers
 from packaging.version import Version
 
-from verl_longstraw import capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
+from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
 from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.testing import float64_throughout
+from verl_longstraw.testing.compare import float64_throughout
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model, unavailable
 
 FLOAT64_TOL = 1e-10
@@ -79,15 +79,17 @@ def _walk(model, walk: tuple, seed: int, group) -> tuple[list[torch.Tensor], tor
     model.zero_grad(set_to_none=True)
     if kind == "star":
         prompt, responses = _star(seed)
-        state = capture_prompt(model, prompt, chunk_size=chunk, for_backward=mode == "exact", cp_group=group)
-        log_probs = group_log_probs(model, prompt, responses, chunk_size=chunk, state=state, cp_group=group)
-        losses = group_backward(model, prompt, responses, _loss, prompt_grad=mode, chunk_size=chunk, state=state,
-                                cp_group=group).losses
+        state = capture_prompt(model, prompt, for_backward=mode == "exact", cp_group=group,
+                               knobs=Knobs(chunk_size=chunk))
+        log_probs = group_log_probs(model, prompt, responses, state=state, cp_group=group,
+                                    knobs=Knobs(chunk_size=chunk))
+        losses = group_backward(model, prompt, responses, _loss, state=state, cp_group=group,
+                                knobs=Knobs(prompt_grad=mode, chunk_size=chunk)).losses
         return log_probs.log_probs, losses
     rows, starts = _tree(seed)
-    knobs = dict(chunk_size=chunk, response_chunk_size=response_chunk, cp_group=group)
-    losses = tree_backward(model, rows, starts, _loss, prompt_grad=mode, **knobs).losses
-    return tree_log_probs(model, rows, starts, **knobs).log_probs, losses
+    knobs = Knobs(chunk_size=chunk, response_chunk_size=response_chunk, prompt_grad=mode)
+    losses = tree_backward(model, rows, starts, _loss, cp_group=group, knobs=knobs).losses
+    return tree_log_probs(model, rows, starts, cp_group=group, knobs=knobs).log_probs, losses
 
 
 def _gradients(model, group, experts: frozenset) -> torch.Tensor:

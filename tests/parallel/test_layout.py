@@ -4,6 +4,7 @@ The CP star plan's replay rounds: response round * R + r on rank r, a one-token 
 
 import pytest
 
+from verl_longstraw import Knobs
 from verl_longstraw.plan import star_plan
 
 
@@ -11,7 +12,8 @@ from verl_longstraw.plan import star_plan
 def test_chunks_tile_the_prompt_and_every_rank_gets_a_token_of_each(world):
     for length in range(world, 80):
         for chunk_size in [None, *range(world, 40)]:
-            plans = [star_plan(length + 1, [1], chunk_size, world=world, rank=r) for r in range(world)]
+            knobs = Knobs(chunk_size=chunk_size)
+            plans = [star_plan(length + 1, [1], knobs, world=world, rank=r) for r in range(world)]
             chain = plans[0].captured
             chunks = [(plans[0].segments[k].start, plans[0].segments[k].end) for k in chain]
             assert chunks[0][0] == 0 and chunks[-1][1] == length, (length, chunk_size)
@@ -26,7 +28,7 @@ def test_chunks_tile_the_prompt_and_every_rank_gets_a_token_of_each(world):
 
 
 def _chunks(length: int, chunk_size: int, world: int) -> tuple[tuple[int, int], ...]:
-    plan = star_plan(length + 1, [1], chunk_size, world=world)
+    plan = star_plan(length + 1, [1], Knobs(chunk_size=chunk_size), world=world)
     return tuple((plan.segments[k].start, plan.segments[k].end) for k in plan.captured)
 
 
@@ -42,7 +44,7 @@ def test_replay_rounds_give_rank_r_response_round_times_r_plus_r(world):
         lengths = [3 + i for i in range(num_responses)]
         rounds = -(-num_responses // world)
         for rank in range(world):
-            plan = star_plan(41, lengths, 16, world=world, rank=rank)
+            plan = star_plan(41, lengths, Knobs(chunk_size=16), world=world, rank=rank)
             for mode in ("log_probs", "exact"):
                 replays = [step for step in plan.steps(mode) if step.phase == "replay"]
                 assert len(replays) == rounds, (num_responses, rank, mode)

@@ -24,11 +24,12 @@ from ..ops.gated_delta_rule import gated_delta_rule
 from ..ops.kda import DeltaRule, kda_rule
 from ..ops.ssd_scan import ChunkScan, ssd_scan
 from ..ops.window_attention import window_attention
+from ..parallel import comm
 from ..parallel.attention import sharded_prefix_attention
 from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from ..parallel.kda import sharded_kda_rule
-from ..parallel.segment import SegmentSharding
 from ..parallel.ssd import sharded_ssd_scan
+from ..plan import Split
 from ..state import LayerState, StateKind
 from .lora import base_model, check_lora
 
@@ -36,7 +37,8 @@ from .lora import base_model, check_lora
 @dataclass
 class SegmentContext:
     """What every layer of one segment shares: rotary tables of its positions, how the segment is split
-    over a context-parallel group (``sharding``; None: one process), scratch for the adapter.
+    over a context-parallel group (``split``, the plan's, and ``group``; None: one process), scratch for the
+    adapter.
 
     Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``kda_rule``, ``ssd_scan``
     and ``conv_input`` so one code path serves one process and a CP group.
@@ -44,32 +46,33 @@ class SegmentContext:
 
     cos: torch.Tensor  # [S, rotary_dim]: the segment's S tokens
     sin: torch.Tensor
-    sharding: SegmentSharding | None = None
+    split: Split | None = None
+    group: comm.Group = None
     scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def splits_sequence(self) -> bool:
         """Whether this rank's tokens continue another rank's (a capture or recompute chunk under CP)."""
-        return self.sharding is not None and self.sharding.consecutive
+        return self.split is not None and self.split.consecutive
 
     def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
         """``prefix_causal_attention`` (shapes there, a batch-1 prefix shared by B sequences included) over the
         prompt state of every rank of the group."""
-        if self.sharding is None:
+        if self.split is None:
             return prefix_causal_attention(
                 q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
             )
-        s = self.sharding
+        s = self.split
         return sharded_prefix_attention(
             q, k_prefix, v_prefix, k_self, v_self, scale,
-            s.group, s.query_sizes, s.prefix_sizes, s.consecutive, key_mask,
+            self.group, s.query_sizes, s.prefix_sizes, s.consecutive, key_mask,
         )
 
     def window_attention(self, q, k_past, v_past, k_self, v_self, scale: float, window: int | None,
                          sinks: torch.Tensor | None) -> torch.Tensor:
         """``ops.window_attention.window_attention`` (shapes there) over the rows before the segment; one process
         only (``Adapter.check_context_parallel`` refuses a CP group for models with such layers)."""
-        if self.sharding is not None:
+        if self.split is not None:
             raise UnsupportedModelError("sliding-window and sink attention have no context-parallel form")
         return window_attention(q, k_past, v_past, k_self, v_self, scale, window, sinks)
 
@@ -78,9 +81,8 @@ class SegmentContext:
         sequence the state flows through the ranks and the returned final state is every rank's."""
         if not self.splits_sequence:
             return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True)
-        s = self.sharding
         return sharded_gated_delta_rule(
-            q, k, v, g, beta, initial_state, s.group, s.query_sizes, use_qk_l2norm=True
+            q, k, v, g, beta, initial_state, self.group, self.split.query_sizes, use_qk_l2norm=True
         )
 
     def kda_rule(self, rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor
@@ -89,8 +91,7 @@ class SegmentContext:
         split sequence the state flows through the ranks and the returned final state is every rank's."""
         if not self.splits_sequence:
             return kda_rule(rule, q, k, v, g, beta, initial_state)
-        s = self.sharding
-        return sharded_kda_rule(rule, q, k, v, g, beta, initial_state, s.group, s.query_sizes)
+        return sharded_kda_rule(rule, q, k, v, g, beta, initial_state, self.group, self.split.query_sizes)
 
     def ssd_scan(self, scan: ChunkScan, x, dt, A, B, C, D, initial_state: torch.Tensor,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,14 +99,14 @@ class SegmentContext:
         sequence the state flows through the ranks and the returned final state is every rank's."""
         if not self.splits_sequence:
             return ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size)
-        s = self.sharding
-        return sharded_ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size, s.group, s.query_sizes)
+        return sharded_ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size, self.group,
+                                self.split.query_sizes)
 
     def conv_input(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
         last K-1 inputs after it (the next conv state, owning its storage). ``conv_state`` [B, C, K-1]."""
         if self.splits_sequence:
-            return sharded_conv_input(x, conv_state, self.sharding.group, self.sharding.query_sizes)
+            return sharded_conv_input(x, conv_state, self.group, self.split.query_sizes)
         conv_in = torch.cat([conv_state, x], dim=-1)
         return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
 
@@ -320,19 +321,21 @@ class Adapter(ABC):
         """ids [S] -> hidden [1, S, hidden]; ids [B, S] (right-padded sequences) -> [B, S, hidden]."""
         return self.backbone.embed_tokens(ids if ids.dim() == 2 else ids[None])
 
-    def context(self, h: torch.Tensor, start: int, sharding: SegmentSharding | None = None) -> SegmentContext:
-        """The segment's positions and rotary tables; zero-width tables (``apply_rope`` then passes every channel)
-        for a backbone without a rotary module (no positional embedding: nemotron_h, kimi_linear)."""
+    def context(self, h: torch.Tensor, start: int, split: Split | None = None,
+                group: comm.Group = None) -> SegmentContext:
+        """The segment's positions and rotary tables, and its ``split`` over ``group`` (None: one process);
+        zero-width tables (``apply_rope`` then passes every channel) for a backbone without a rotary module (no
+        positional embedding: nemotron_h, kimi_linear)."""
         length = h.shape[1]
         rotary = getattr(self.backbone, "rotary_emb", None)
         if rotary is None:
             empty = h.new_zeros(length, 0)
-            return SegmentContext(cos=empty, sin=empty, sharding=sharding)
+            return SegmentContext(cos=empty, sin=empty, split=split, group=group)
         positions = torch.arange(start, start + length, device=h.device)[None]  # [1, length]
         if hasattr(rotary, "mrope_section"):  # multimodal rope (qwen3_5): text tokens at t = h = w = position;
             positions = positions.expand(3, 1, length)  # [3, 1, length] (transformers < 5.19 takes no [1, length])
         cos, sin = rotary(h, positions)
-        return SegmentContext(cos=cos[0], sin=sin[0], sharding=sharding)
+        return SegmentContext(cos=cos[0], sin=sin[0], split=split, group=group)
 
     def layer(
         self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool

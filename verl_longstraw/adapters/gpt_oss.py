@@ -19,10 +19,10 @@ from .dense import DenseAttentionAdapter
 class GptOssAdapter(DenseAttentionAdapter):
     model_types = ("gpt_oss",)
 
-    def context(self, h: torch.Tensor, start: int, sharding=None) -> SegmentContext:
+    def context(self, h: torch.Tensor, start: int, split=None, group=None) -> SegmentContext:
         """The rotary tables in the split-half layout ``apply_rope`` reads: gpt-oss's rotary module returns one
         half [S, head_dim / 2] (its rotation pairs channel i with i + head_dim / 2, as rotate_half does)."""
-        ctx = Adapter.context(self, h, start, sharding)
+        ctx = Adapter.context(self, h, start, split, group)
         ctx.cos, ctx.sin = torch.cat([ctx.cos, ctx.cos], dim=-1), torch.cat([ctx.sin, ctx.sin], dim=-1)
         return ctx
 

@@ -51,7 +51,7 @@ def _sparse_selection(
     [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment.
     Whether top-k keeps every key is asked first, before the query projection and the float32 copy of the prefix
     keys (at P = 1M about 0.5 GB per layer call)."""
-    if keeps_every_key(past_keys.shape[1], x.shape[1], indexer.index_topk, ctx.sharding):
+    if keeps_every_key(past_keys.shape[1], x.shape[1], indexer.index_topk, ctx.split):
         return None
     q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [B, S, H, D]
     q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
@@ -61,7 +61,7 @@ def _sparse_selection(
     prefix = past_keys[0].float()
     masks = [
         sharded_dsa_topk_mask(q[b], weights[b], prefix, keys[b].float(), indexer.softmax_scale, indexer.index_topk,
-                              ctx.sharding)
+                              ctx.split, ctx.group)
         for b in range(len(x))
     ]
     return masks[0] if len(masks) == 1 or masks[0] is None else torch.stack(masks)

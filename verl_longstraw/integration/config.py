@@ -6,13 +6,16 @@ from typing import Any, Optional
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
+from verl_longstraw.knobs import Knobs
+
 STRATEGY = "longstraw"
-PROMPT_GRAD_MODES = ("exact", "detached")
 
 
 @dataclass
 class LongStrawConfig(BaseConfig):
-    """LongStraw settings (``actor_rollout_ref.actor.longstraw.*``; the reference policy inherits them).
+    """LongStraw settings (``actor_rollout_ref.actor.longstraw.*``; the reference policy inherits them). The
+    knobs the core reads are built from them once, validated, as ``knobs`` (``verl_longstraw.Knobs``; not a
+    config key): what the engine hands every walk and plan.
 
     Args:
         prompt_grad: "exact" (default) also backpropagates d(loss)/d(prompt state) through a
@@ -69,29 +72,19 @@ class LongStrawConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         where = "actor_rollout_ref.actor.longstraw"
-        if self.prompt_grad not in PROMPT_GRAD_MODES:
-            raise ValueError(
-                f"{where}.prompt_grad={self.prompt_grad!r} is not supported; use one of {PROMPT_GRAD_MODES}."
-            )
-        if self.chunk_size is not None and not _positive_int(self.chunk_size):
-            raise ValueError(
-                f"{where}.chunk_size={self.chunk_size!r} must be a positive integer or null (whole prompt at once)."
-            )
+        try:
+            knobs = Knobs(chunk_size=self.chunk_size, response_chunk_size=self.response_chunk_size,
+                          min_shared_tokens=self.min_shared_tokens, replay_tokens=self.replay_tokens,
+                          prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host)
+        except ValueError as exc:
+            raise ValueError(f"{where}.{exc}") from None
+        self.knobs = knobs  # not a field: the config's keys stay the ones above
         if not _positive_int(self.context_parallel_size):
             raise ValueError(
                 f"{where}.context_parallel_size={self.context_parallel_size!r} must be a positive integer "
                 "(1: no context parallelism)."
             )
-        if not _positive_int(self.min_shared_tokens):
-            raise ValueError(f"{where}.min_shared_tokens={self.min_shared_tokens!r} must be a positive integer "
-                             "(tokens of common prefix for rows to share its segments).")
-        if self.response_chunk_size is not None and not _positive_int(self.response_chunk_size):
-            raise ValueError(f"{where}.response_chunk_size={self.response_chunk_size!r} must be a positive integer "
-                             "or null (each response replayed whole).")
-        if not _positive_int(self.replay_tokens):
-            raise ValueError(f"{where}.replay_tokens={self.replay_tokens!r} must be a positive integer (response "
-                             "tokens per replay forward; 1: one response at a time).")
-        for name in ("state_grad_on_host", "preflight", "single_forward", "expert_parallel"):
+        for name in ("preflight", "single_forward", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}.{name}={getattr(self, name)!r} must be true or false.")
         if self.expert_parallel and self.context_parallel_size < 2:

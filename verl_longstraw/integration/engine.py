@@ -261,8 +261,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if forward_only:
             return ("log_probs",)
         if self.longstraw.single_forward and splits_by_response(loss_function):
-            return (self.longstraw.prompt_grad,)
-        return ("log_probs", self.longstraw.prompt_grad)
+            return (self.longstraw.knobs.prompt_grad,)
+        return ("log_probs", self.longstraw.knobs.prompt_grad)
 
     def _star_tokens_forwarded(self, groups: list[Fragment], modes: tuple[str, ...]) -> int:
         """Tokens the star path (one plan per GRPO group of each micro-batch, ``regroup``) runs on this rank for the
@@ -276,24 +276,25 @@ class LongStrawEngine(FSDPEngineWithLMHead):
 
     def _unit_plan(self, unit: Tree) -> Plan:
         """This rank's plan of a prefix tree with the engine's knobs (``plan.tree_plan``), built once per step and
-        kept on the unit: the pre-flight estimate and every walk of the step read it."""
+        kept on the unit: the pre-flight estimate and every walk of the step read it (passed as ``plan=``)."""
         if unit.plan is None:
-            knobs = self.longstraw
-            unit.plan = tree_plan(unit.sequences, unit.score_starts, knobs.chunk_size, knobs.response_chunk_size,
-                                  knobs.min_shared_tokens, knobs.replay_tokens, self.cp_size,
+            unit.plan = tree_plan(unit.sequences, unit.score_starts, self.longstraw.knobs, self.cp_size,
                                   comm.group_rank(self.get_context_parallel_group()))
         return unit.plan
 
     def _star_plan(self, group: Fragment) -> Plan:
         """This rank's plan of one GRPO group run as a star (``plan.star_plan``) with the engine's knobs."""
-        return star_plan(len(group.prompt_ids), [len(r) for r in group.responses], self.longstraw.chunk_size,
-                         self.longstraw.replay_tokens, self.cp_size, comm.group_rank(self.get_context_parallel_group()))
+        return star_plan(len(group.prompt_ids), [len(r) for r in group.responses], self.longstraw.knobs,
+                         self.cp_size, comm.group_rank(self.get_context_parallel_group()))
 
-    def _walk_units(self, walk: WalkRows) -> list[list[Tree]]:
-        """The units of this call's walk, in the order the pre-flight check tries them: the prefix trees of all its
-        rows, then each micro-batch's trees."""
-        per_micro_batch = [t for m, mb in enumerate(walk.micro_batches) for t in prefix_trees([mb], walk.first[m])]
-        return [prefix_trees(walk.micro_batches), per_micro_batch]
+    def _walk_units(self, walk: WalkRows) -> list[Callable[[], list[Tree]]]:
+        """The units of this call's walk, in the order the pre-flight check tries them, each made when tried: the
+        prefix trees of all its rows, then each micro-batch's trees."""
+
+        def per_micro_batch() -> list[Tree]:
+            return [t for m, mb in enumerate(walk.micro_batches) for t in prefix_trees([mb], walk.first[m])]
+
+        return [lambda: prefix_trees(walk.micro_batches), per_micro_batch]
 
     @functools.cached_property
     def _unit_counts(self) -> ParameterCounts:
@@ -309,13 +310,14 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _compute_dtype(self) -> torch.dtype:
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
-    def _preflight(self, candidates: list[list[Tree]], forward_only: bool) -> tuple[list[Tree], int]:
+    def _preflight(self, candidates: list[Callable[[], list[Tree]]], forward_only: bool) -> tuple[list[Tree], int]:
         """The units this rank walks, and its step's estimated device bytes: the largest unit's (`estimate_plan` of
         the unit's plan, crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it
         holds unsharded (`estimate.unsharded_bytes`).
 
-        ``candidates`` (``_walk_units``) are tried in order. Without `longstraw.preflight` the first is walked; with
-        it, the first whose estimate fits `memory_budget_gb` (or the device's free memory) on every rank, and
+        ``candidates`` (``_walk_units``: each makes its units) are tried in order, a later one made only when the
+        ones before it do not fit. Without `longstraw.preflight` the first is walked; with it, the first whose
+        estimate fits `memory_budget_gb` (or the device's free memory) on every rank, and
         MemoryError naming the knobs when not even the last fits. Runs before any capture; every rank learns every
         rank's verdict, so all choose the same units (a CP group walks in lockstep) and all raise together."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
@@ -326,7 +328,8 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         if expert_parallel and not forward_only:  # the expert shards' gradients (the shards are resident)
             model_bytes += expert_shard_bytes(self._unit_counts, self.cp_size, self._expert_dtype).gradients
         adapter = adapter_for(self.module)
-        for attempt, units in enumerate(candidates):
+        for attempt, candidate in enumerate(candidates):
+            units = candidate()
             estimates = [(unit, self._estimate(adapter, unit, forward_only)) for unit in units]
             unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
             total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
@@ -368,9 +371,10 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _estimate(self, adapter: Adapter, unit: Tree, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
         forward-only step is sized as a detached one, which holds more than a log-prob walk)."""
+        knobs = self.longstraw.knobs
         return estimate_plan(
-            adapter.config, self._unit_plan(unit), "detached" if forward_only else self.longstraw.prompt_grad,
-            self._compute_dtype(), adapter=adapter, state_grad_on_host=self.longstraw.state_grad_on_host,
+            adapter.config, self._unit_plan(unit), "detached" if forward_only else knobs.prompt_grad,
+            self._compute_dtype(), adapter=adapter, state_grad_on_host=knobs.state_grad_on_host,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
             device_type=get_device_name(), expert_parallel=self.longstraw.expert_parallel,
         )
@@ -496,14 +500,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return log_probs, entropy
 
     def _unit_log_probs(self, unit: Tree, with_entropy: bool, stats: GroupStats) -> GroupResult:
-        """The log-prob walk of one unit with the engine's knobs and CP group."""
-        knobs = self.longstraw
+        """The log-prob walk of one unit's plan (``_unit_plan``) with the engine's knobs and CP group."""
         return tree_log_probs(
             self.module, unit.sequences, unit.score_starts, temperature=unit.temperature,
-            chunk_size=knobs.chunk_size, response_chunk_size=knobs.response_chunk_size,
-            min_shared_tokens=knobs.min_shared_tokens, return_entropy=with_entropy, stats=stats,
-            replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
-            plan=self._unit_plan(unit),
+            return_entropy=with_entropy, stats=stats, cp_group=self.get_context_parallel_group(),
+            knobs=self.longstraw.knobs, plan=self._unit_plan(unit),
         )
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -515,16 +516,13 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return scaled * self.cp_size if self.cp_size > 1 else scaled
 
     def _unit_backward(self, unit: Tree, loss_fn: Callable, with_entropy: bool, stats: GroupStats) -> GroupResult:
-        """The backward walk of one unit with the engine's knobs, CP group and compute dtype."""
-        knobs = self.longstraw
+        """The backward walk of one unit's plan (``_unit_plan``) with the engine's knobs, CP group and compute
+        dtype."""
         with self._autocast():
             return tree_backward(
-                self.module, unit.sequences, unit.score_starts, loss_fn, prompt_grad=knobs.prompt_grad,
-                temperature=unit.temperature, chunk_size=knobs.chunk_size,
-                response_chunk_size=knobs.response_chunk_size, min_shared_tokens=knobs.min_shared_tokens,
-                with_entropy=with_entropy, stats=stats, state_grad_on_host=knobs.state_grad_on_host,
-                replay_tokens=knobs.replay_tokens, cp_group=self.get_context_parallel_group(),
-                plan=self._unit_plan(unit),
+                self.module, unit.sequences, unit.score_starts, loss_fn, temperature=unit.temperature,
+                with_entropy=with_entropy, stats=stats, cp_group=self.get_context_parallel_group(),
+                knobs=self.longstraw.knobs, plan=self._unit_plan(unit),
             )
 
     def _replay_once(

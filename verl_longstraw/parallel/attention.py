@@ -1,6 +1,6 @@
 """Prefix attention of a segment split over the ranks of a CP group, over a prompt prefix whose rows are split too.
 
-Pass-Q with a log-sum-exp merge (design study §3.3). On every rank r:
+Pass-Q (queries travel, keys stay) with a log-sum-exp merge. On every rank r:
 
 1. all-gather the queries of every rank: [B, Hq, N, D], N = sum(query_sizes);
 2. attend all N queries to the local keys only (rank r's prefix rows, then its own keys under the

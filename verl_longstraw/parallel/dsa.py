@@ -15,7 +15,7 @@ and, in a capture chunk, the own keys of the earlier ranks. On every rank r:
    takes (``SegmentContext.attention``).
 
 Global key positions (the tie order) are those of one process: rank r's prefix rows sit at the prompt
-positions of ``SegmentSharding.prefix_spans``, own keys after the whole prefix, at ``sum(prefix_sizes)`` + the
+positions of ``plan.Split.prefix_spans``, own keys after the whole prefix, at ``sum(prefix_sizes)`` + the
 token's index in the segment (a capture chunk: counted over the ranks in order; a replayed response: its own
 tokens, the only own keys its queries see).
 
@@ -29,21 +29,21 @@ from __future__ import annotations
 import torch
 
 from ..ops.dsa_topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
-from .comm import all_gather, group_rank
-from .segment import SegmentSharding
+from ..plan import Split
+from .comm import Group, all_gather, group_rank
 
 QUERY_BLOCK = 1024
 
 
-def keeps_every_key(prefix_rows: int, seg_len: int, topk: int, sharding: SegmentSharding | None) -> bool:
+def keeps_every_key(prefix_rows: int, seg_len: int, topk: int, split: Split | None) -> bool:
     """Whether top-k keeps every key any query sees, so no mask is needed: the most keys a query sees is at most
-    ``topk``. One process (``sharding`` None): the ``prefix_rows`` + ``seg_len`` keys. Under CP: every rank's prefix
+    ``topk``. One process (``split`` None): the ``prefix_rows`` + ``seg_len`` keys. Under CP: every rank's prefix
     rows plus the own keys of all ranks' segments (consecutive: a capture chunk) or of the longest one (a replay
     round); replicated sizes only, so every rank decides alike. Cheap: callers ask it before projecting queries."""
-    if sharding is None:
+    if split is None:
         return prefix_rows + seg_len <= topk
-    own = sum(sharding.query_sizes) if sharding.consecutive else max(sharding.query_sizes)
-    return sum(sharding.prefix_sizes) + own <= topk
+    own = sum(split.query_sizes) if split.consecutive else max(split.query_sizes)
+    return sum(split.prefix_sizes) + own <= topk
 
 
 def sharded_dsa_topk_mask(
@@ -53,7 +53,8 @@ def sharded_dsa_topk_mask(
     k_self: torch.Tensor,
     scale: float,
     topk: int,
-    sharding: SegmentSharding | None,
+    split: Split | None,
+    group: Group,
     key_block: int = KEY_BLOCK,
     query_block: int = QUERY_BLOCK,
 ) -> torch.Tensor | None:
@@ -63,17 +64,17 @@ def sharded_dsa_topk_mask(
     ``k_prefix`` [P_r, D] indexer keys of its prefix rows, ``k_self`` [T_r, D] of its segment (T_r =
     ``query_sizes[r]``, P_r = ``prefix_sizes[r]``). Returns [N, P_r + T_r]: for every query of every rank
     (rank order, N = sum(query_sizes)) its selected keys among this rank's prefix rows, then own keys,
-    visible ones only. ``sharding`` None: one process, ``dsa_topk_mask`` [T, P + T]. Index scores are in
+    visible ones only. ``split`` None: one process (``group`` unread), ``dsa_topk_mask`` [T, P + T]. Index scores are in
     the ``ops.dsa_topk`` docstring.
     """
-    if keeps_every_key(k_prefix.shape[0], k_self.shape[0], topk, sharding):
+    if keeps_every_key(k_prefix.shape[0], k_self.shape[0], topk, split):
         return None
-    if sharding is None:
+    if split is None:
         return dsa_topk_mask(q, weights, torch.cat([k_prefix, k_self]), scale, topk, key_block)
-    s = sharding
-    key_pos, last_visible = _positions(s, k_prefix.shape[0], q.device)
-    queries = torch.cat(all_gather(q, s.group, s.query_sizes))
-    query_weights = torch.cat(all_gather(weights, s.group, s.query_sizes))
+    s = split
+    key_pos, last_visible = _positions(s, group_rank(group), k_prefix.shape[0], q.device)
+    queries = torch.cat(all_gather(q, group, s.query_sizes))
+    query_weights = torch.cat(all_gather(weights, group, s.query_sizes))
     keys = torch.cat([k_prefix, k_self])
     local_topk = [min(topk, p + t) for p, t in zip(s.prefix_sizes, s.query_sizes, strict=True)]
     mask = torch.empty(len(queries), len(keys), dtype=torch.bool, device=q.device)
@@ -81,7 +82,7 @@ def sharded_dsa_topk_mask(
         rows = slice(start, start + query_block)
         best = top_sort_keys(queries[rows], query_weights[rows], keys, scale, topk, key_pos, last_visible[rows],
                              key_block)
-        union = torch.cat(all_gather(best, s.group, local_topk, dim=1), dim=1)  # >= topk wide: not keeps_every_key
+        union = torch.cat(all_gather(best, group, local_topk, dim=1), dim=1)  # >= topk wide: not keeps_every_key
         threshold = union.topk(topk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
         local_index = torch.searchsorted(key_pos, sort_key_position(best))
         visible = key_pos <= last_visible[rows, None]
@@ -89,16 +90,15 @@ def sharded_dsa_topk_mask(
     return mask
 
 
-def _positions(s: SegmentSharding, prefix_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(s: Split, rank: int, prefix_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Global positions int64 [P_r + T_r] of this rank's keys (ascending), and the last position each of the N
     queries sees (int64 [N]), in one process's numbering: prompt positions, then the segment's tokens."""
-    if s.prefix_spans is None or sum(end - start for start, end in s.prefix_spans) != prefix_rows:
+    if sum(end - start for start, end in s.prefix_spans) != prefix_rows:
         raise ValueError(
-            f"SegmentSharding.prefix_spans={s.prefix_spans} does not cover this rank's {prefix_rows} prefix rows: "
-            "DSA sparse selection needs the prompt positions of the rows (set from the plan's "
-            "Split.prefix_spans)"
+            f"Split.prefix_spans={s.prefix_spans} does not cover this rank's {prefix_rows} prefix rows: "
+            "DSA sparse selection needs the prompt positions of the rows (the plan's)"
         )
-    rank, prefix_total = group_rank(s.group), sum(s.prefix_sizes)
+    prefix_total = sum(s.prefix_sizes)
     before, own = sum(s.query_sizes[:rank]), s.query_sizes[rank]
     own_start = prefix_total + (before if s.consecutive else 0)
     spans = [*s.prefix_spans, (own_start, own_start + own)]

@@ -10,7 +10,7 @@ Two exact forms of the recurrence (``gated_delta_rule``, see ``ops/gated_delta_r
 
 - ``mode="sequential"`` (the reference): the state goes from rank to rank by send/recv, the final
   state is broadcast from the last rank; the backward runs the chain in reverse. R-fold serial.
-- ``mode="affine"`` (the default, design §4.2, FLA's CP merge): the recurrence is linear in the
+- ``mode="affine"`` (the default; the merge flash-linear-attention's CP uses): the recurrence is linear in the
   state, so over rank j's tokens ``S_out = M_j S_in + E_j`` (M_j [B, HV, Dk, Dk], E_j [B, HV, Dk, Dv]).
   Each rank summarises its tokens, the summaries are all-gathered and every rank composes them
   into its own start state and the replicated final state, then runs its tokens from that start.

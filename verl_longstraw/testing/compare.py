@@ -1,27 +1,23 @@
 """The standard path LongStraw is compared with, and the comparisons (tests, benchmarks, gpu_check).
 
 The standard path is one full forward (and backward) per ``prompt ++ response``; tiny models of
-every family are in ``verl_longstraw.tiny``. Nothing here is used by training.
+every family are in ``verl_longstraw.tiny``. Nothing here is used by training. Torch only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import inspect
-import json
-import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from types import MethodType, ModuleType
+from types import MethodType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from verl_longstraw import group_backward, group_log_probs
+from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
 from verl_longstraw.ops.kda import kda_reference
 
@@ -103,9 +99,9 @@ def replay_errors(model, dtype: torch.dtype, prompt, responses, loss_fn: LossFn,
     with torch.no_grad():
         expected_lp = [full_log_probs(model, prompt, r)[0] for r in responses]
         standard_lp = [full_log_probs(cast, prompt, r)[0] for r in responses]
-    log_probs = group_log_probs(cast, prompt, responses, chunk_size=chunk_size).log_probs
+    log_probs = group_log_probs(cast, prompt, responses, knobs=Knobs(chunk_size=chunk_size)).log_probs
     cast.zero_grad(set_to_none=True)
-    group_backward(cast, prompt, responses, loss_fn, prompt_grad="exact", chunk_size=chunk_size)
+    group_backward(cast, prompt, responses, loss_fn, knobs=Knobs(prompt_grad="exact", chunk_size=chunk_size))
     return {
         "log_prob": max_abs_error(log_probs, expected_lp),
         "standard_log_prob": max_abs_error(standard_lp, expected_lp),
@@ -252,24 +248,6 @@ def reference_linear_attention(model) -> Iterator[None]:
             setattr(owner, name, kernel)
         for mixer in mixers:
             del mixer.forward
-
-
-def load_script(path: str | Path) -> ModuleType:
-    """The Python file ``path`` (a benchmark or recipe script) as a module named ``<folder>_<stem>``."""
-    path = Path(path)
-    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_benchmark(script: Path, args: Sequence[str], report: Path, timeout_s: float) -> dict:
-    """Run ``python script *args`` (a benchmark under benchmarks/) and return its JSON ``report``; fails with
-    the end of its stderr when it exits with an error."""
-    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout_s)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(report.read_text())
 
 
 def errors_against_exact(values: dict[str, torch.Tensor], standard: dict[str, torch.Tensor],

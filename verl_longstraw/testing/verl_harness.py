@@ -1,7 +1,7 @@
 """Test helpers for the veRL integration: engines (stock fsdp2 and longstraw) on tiny saved
 models, veRL 0.9.1 GRPO batches, a gloo process group on a free port.
 
-Used by tests/integration and benchmarks/bench_engine.py.
+Used by tests/integration and the engine benchmarks (benchmarks/bench_*.py); imports veRL.
 """
 
 import os
