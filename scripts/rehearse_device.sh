@@ -260,18 +260,30 @@ report["equivalence"] = [r for r in report["equivalence"] if r["family"] not in 
 report["fsdp2"] = [{**r, "passed": False} if r["family"] in removed else r for r in report["fsdp2"]]  # failed
 Path(sys.argv[2]).write_text(json.dumps(report))
 PYEOF
+# the rerun runs the removed cases and those with a row this CPU's half-precision numerics failed in the first run
+# (step 2 noted them): a failed row is one a rerun runs again
+mapfile -t RERUN < <("$PY" - "$OUT/run/gpu_check_tiny.json" "${REMOVED[@]}" <<'PYEOF'
+import json
+import sys
+from pathlib import Path
+
+report = json.loads(Path(sys.argv[1]).read_text())
+failed = {r["family"] for stage in ("equivalence", "fsdp2") for r in report[stage] if r["key"] in report["failed"][stage]}
+print("\n".join(dict.fromkeys([*sys.argv[2:], *sorted(failed)])))
+PYEOF
+)
 rerun_status=0
 OUT="$OUT/rerun" GPU_CHECK_BUDGET="$budget" \
-    GPU_CHECK_ARGS="--tiny --stages equivalence fsdp2 --families ${REMOVED[*]}" \
+    GPU_CHECK_ARGS="--tiny --stages equivalence fsdp2 --families ${RERUN[*]}" \
     bash benchmarks/device_run.sh --rerun-failed "$OUT/partial.json" > "$OUT/rerun.stdout" 2>&1 || rerun_status=$?
-"$PY" - "$OUT/run/gpu_check_tiny.json" "$OUT/rerun/gpu_check_tiny.json" "$rerun_status" "${REMOVED[@]}" \
+"$PY" - "$OUT/run/gpu_check_tiny.json" "$OUT/rerun/gpu_check_tiny.json" "$rerun_status" "${RERUN[@]}" \
     <<'PYEOF' || failed+=(rerun)
 import json
 import sys
 from pathlib import Path
 
 first, rerun = (json.loads(Path(p).read_text()) for p in sys.argv[1:3])
-status, removed = int(sys.argv[3]), set(sys.argv[4:])
+status, removed = int(sys.argv[3]), set(sys.argv[4:])  # removed: the cases the rerun ran
 problems = [f"the rerun exited with status {status}"] if status else []
 for stage in ("equivalence", "fsdp2"):
     if [r["key"] for r in rerun[stage]] != first["planned"][stage]:
@@ -280,9 +292,12 @@ for stage in ("equivalence", "fsdp2"):
     kept = [r for r in rerun[stage] if r["family"] not in removed]
     if kept != [r for r in first[stage] if r["family"] not in removed]:
         problems.append(f"{stage}: the rows that had passed were not carried over as they were")
-    if any(rerun["never_compared"][stage]) or any(rerun["failed"][stage]):
+    half = [k for k in rerun["failed"][stage] if stage == "fsdp2" or not k.endswith(" float32")]
+    for key in half:  # as in step 2: this CPU's kernels decide a half-precision verdict
+        print(f"note: rerun {stage} {key}: failed its half-precision verdict (reported, not a rehearsal failure)")
+    if any(rerun["never_compared"][stage]) or set(rerun["failed"][stage]) - set(half):
         problems.append(f"{stage}: not complete after the rerun: {rerun['never_compared'][stage]}, "
-                        f"{rerun['failed'][stage]}")
+                        f"{sorted(set(rerun['failed'][stage]) - set(half))}")
     print(f"rerun {stage}: {len(ran)} rows run ({', '.join(sorted(ran))}), {len(kept)} carried over")
 for stage in ("ops", "scale"):  # not selected: carried over as they were
     if rerun[stage] != first[stage] or stage in rerun["stage_seconds"]:
