@@ -40,6 +40,7 @@ from verl_longstraw import Knobs, capture_prompt, group_backward
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.mixers import RowAttention
 from verl_longstraw.testing.compare import make_group
 from verl_longstraw.tiny import FAMILIES as ALL_FAMILIES
 from verl_longstraw.tiny import VARIANTS, VOCAB, tiny_config, tiny_model
@@ -127,7 +128,7 @@ def window_state(family: str, prompt_len: int) -> list[dict]:
     """Per layer of a family with sliding-window layers (none: []): the captured prompt's state bytes against the
     same model with every layer full attention, and the (W - 1) / P a sliding layer should keep of it."""
     model = tiny_model(family, max_position_embeddings=prompt_len)
-    windows = [mixer.window for mixer in adapter_for(model).mixers()]
+    windows = [op.window if isinstance(op, RowAttention) else None for op in adapter_for(model).ops]
     if not any(windows):
         return []
     full = tiny_model(family, max_position_embeddings=prompt_len, **full_attention_overrides(model.config))

@@ -13,7 +13,8 @@ Bytes of a collective are its per-rank buffer, the convention of the design stud
 table: an all-gather's output, a reduce-scatter's input (on a ring, a rank sends and receives
 (R-1)/R of it). Variable sizes are padded to the largest rank's.
 
-Formulas: ``FORMULAS`` below (also written into cp.md); ``formula_bytes`` evaluates them.
+Formulas: ``FORMULAS`` below (also written into cp.md), owned by each layer's op (``MixerOp.collective_bytes``);
+``formula_bytes`` sums them over the plan's steps.
 
     python benchmarks/bench_cp.py                   # qwen3, qwen3_5, deepseek_v3; R 1 2 4; P 4096 8192 16384; G 8
     python benchmarks/bench_cp.py --quick --out /tmp/cp   # smoke test: tiny P, R 1 2, seconds
@@ -37,7 +38,7 @@ from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, gr
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.ops.fused_attention import fused_kernel_dtype
+from verl_longstraw.mixers import LayerCall
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import star_plan
@@ -63,8 +64,9 @@ arithmetic dtype (4 for float32 and bfloat16 models)):
   for a bfloat16 model, where the fused one keeps the gathered queries from the forward and moves
   Hq*(4*Dv + 4*D) (Qwen3.5-27B, Hq 24, D = Dv = 256, R = 8: 49 KB against 49 KB; 37 KB with d(queries) in
   bfloat16, which rounds every rank's share).
-- Gated DeltaNet, per linear-attention layer per capture or recompute chunk (replay rounds need
-  none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of the conv tails R*min(K-1, L)*C*b
+- Gated DeltaNet (KDA, Mamba2 alike: ``mixers.base.affine_merge_bytes``), per linear-attention layer per
+  capture or recompute chunk (replay rounds need none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of
+  the conv tails R*min(K-1, L)*C*b
   (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes, the
   tails' in float32 (R*min(K-1, L)*C*f).
 - results: per replay round, all-gather of the log-probs R*L*4 (both replays: ``group_backward`` returns them
@@ -148,36 +150,16 @@ def bytes_by_op(records: list[tuple[str, int, int, str]]) -> dict[str, dict[str,
 def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: list[int], world: int,
                   dtype: torch.dtype = torch.float32) -> dict[str, dict[str, int]]:
     """{phase: {op: bytes}} the formulas of the module docstring give for one group on ``world`` ranks."""
-    config = tiny_config(family)
-    b, f = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
-    mixers = adapter_on_meta(config).mixers()  # each layer's mixer kind and attention call shape (MLA: absorbed)
+    ops = adapter_on_meta(tiny_config(family)).ops  # each layer's op and its collectives (``collective_bytes``)
     out = {phase: Counter() for phase in PHASES}
     if world == 1:
         return {phase: {} for phase in PHASES}
 
     def segment(counter: Counter, sizes: list[int], consecutive: bool, backward: bool) -> None:
-        total, longest = sum(sizes), max(sizes)
-        for idx, m in enumerate(mixers):
-            heads, dim, v_dim = m.q_heads, m.qk_dim, m.v_dim
-            fused = fused_kernel_dtype(torch.device("cpu"), dtype, heads, m.kv_heads, dim, v_dim) is not None  # pass-Q
-            if m.attends and not (consecutive and idx == len(mixers) - 1):
-                counter["all_gather"] += world * longest * heads * dim * b + world * total * heads * f
-                counter["reduce_scatter"] += world * longest * heads * v_dim * f
-                if backward and fused:
-                    counter["all_gather"] += world * longest * heads * 2 * v_dim * b
-                    counter["reduce_scatter"] += world * longest * heads * dim * f
-                elif backward:  # blocked op
-                    counter["all_gather"] += world * longest * heads * v_dim * f
-                    counter["reduce_scatter"] += world * total * heads * f + world * longest * heads * dim * f
-            elif m.kind == "gated_delta" and consecutive:
-                maps = world * config.linear_num_value_heads * config.linear_key_head_dim * (
-                    config.linear_key_head_dim + config.linear_value_head_dim) * f
-                channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
-                    config.linear_num_value_heads * config.linear_value_head_dim)
-                tails = world * min(config.linear_conv_kernel_dim - 1, longest) * channels * b
-                counter["all_gather"] += maps + tails
-                if backward:  # the tails' gradients are summed in float32
-                    counter["reduce_scatter"] += maps + tails * f // b
+        for idx, op in enumerate(ops):
+            call = LayerCall(1, sizes[0], 0, 0, not (consecutive and idx == len(ops) - 1), tuple(sizes), 0, world,
+                             consecutive, dtype, "cpu")
+            counter.update(op.collective_bytes(call, backward))
 
     # the ranks' tokens per step
     plan = star_plan(prompt_len, response_lens, Knobs(chunk_size=chunk_size), world=world, rank=0)

@@ -24,14 +24,14 @@ import transformers
 
 import verl_longstraw.execute as execute
 from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, tree_backward
-from verl_longstraw.adapters import Mixer, adapter_on_meta
 from verl_longstraw.errors import UnsupportedModelError
-from verl_longstraw.estimate import check_budget, estimate_memory, estimate_plan
+from verl_longstraw.estimate import estimate_memory, estimate_plan
 from verl_longstraw.memory import AllocationMeter, parameter_meter
 from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
 from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import star_plan, tree_plan
+from verl_longstraw.preflight import check_budget
 from verl_longstraw.state import PathState
 from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_config, tiny_model
@@ -364,43 +364,41 @@ def test_estimate_of_a_tree_matches_meter(family, record_property):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_unknown_layer_type_is_an_error_naming_it(family):
     """A layer type of config.layer_types the adapter does not run is an error naming it, from the estimate too
-    (never counted as another kind); so is a token mixer kind the estimate does not know."""
+    (never counted as another kind)."""
     layers = tiny_config(family).num_hidden_layers
     config = tiny_config(family, layer_types=["full_attention"] * (layers - 1) + ["chunked_attention"])
     with pytest.raises(UnsupportedModelError, match=r"layer type\(s\) \['chunked_attention'\] of config.layer_types"):
         estimate_memory(config, 64, 2, 8, None, "exact", torch.float32)
-    adapter = adapter_on_meta(tiny_config(family))
-    adapter.mixer = lambda idx: Mixer("sliding_attention", 4, 2, 16, 16)
-    with pytest.raises(UnsupportedModelError, match=r"token mixer kind\(s\) \['sliding_attention'\]"):
-        estimate_memory(adapter.config, 64, 2, 8, None, "exact", torch.float32, adapter=adapter)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_mixers_are_the_calls_the_layers_make(family, monkeypatch):
-    """``Adapter.mixers`` (what the estimate reads of each layer) matches the model: the attention op's call shape
-    in every attention layer of a replay, in layer order, and a gated_delta mixer exactly for the linear layers."""
-    import verl_longstraw.adapters.base as adapter_base
+    """``Adapter.ops`` (what the estimate reads of each layer) matches the model: the attention op's call shape
+    in every attention layer of a replay, in layer order, and a Gated DeltaNet op exactly for the linear layers."""
+    import verl_longstraw.mixers.attention as attention_mixers
     from verl_longstraw import group_log_probs
     from verl_longstraw.adapters import adapter_for
+    from verl_longstraw.mixers import GatedDelta, RowAttention
 
     model = tiny_model(family)
-    mixers = adapter_for(model).mixers()
+    ops = adapter_for(model).ops
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    assert [m.kind == "gated_delta" for m in mixers] == [t == "linear_attention" for t in types or [None] * len(mixers)]
+    assert [isinstance(op, GatedDelta) for op in ops] == [t == "linear_attention" for t in types or [None] * len(ops)]
     prompt, responses = make_group(VOCAB, 24, (5,))
     state = capture_prompt(model, prompt)
     calls = []
-    real = adapter_base.prefix_causal_attention
+    real = attention_mixers.prefix_causal_attention
 
     def recording(q, k_prefix, v_prefix, k_self, v_self, *args, **kwargs):
         calls.append((q.shape[1], k_self.shape[1], q.shape[-1], v_self.shape[-1]))
         return real(q, k_prefix, v_prefix, k_self, v_self, *args, **kwargs)
 
-    monkeypatch.setattr(adapter_base, "prefix_causal_attention", recording)
+    monkeypatch.setattr(attention_mixers, "prefix_causal_attention", recording)
     with torch.no_grad():
         group_log_probs(model, prompt, responses, state=state)
-    assert calls == [(m.q_heads, m.kv_heads, m.qk_dim, m.v_dim) for m in mixers if m.kind != "gated_delta"]
-    gated = [m.gated_output for m in mixers if m.kind == "attention"]
+    attending = [op for op in ops if isinstance(op, RowAttention)]
+    assert calls == [(m.q_heads, m.kv_heads, m.qk_dim, m.v_dim) for m in attending]
+    gated = [m.gated_output for m in attending if m.kind == "attention"]
     assert gated == [model.config.model_type in ("qwen3_next", "qwen3_5", "qwen3_5_text")] * len(gated)
 
 

@@ -1,6 +1,6 @@
 """PEFT LoRA models (what veRL builds for ``lora_rank > 0``): exact gradients into the LoRA parameters through the
 prompt state, the base frozen; reference log-probs with the adapters disabled; the private peft layout
-``adapters.lora`` reads, pinned; the LoRA configurations the replay cannot reproduce refused by name."""
+``lora`` reads, pinned; the LoRA configurations the replay cannot reproduce refused by name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from packaging.version import Version
 from peft import LoraConfig, get_peft_model
 
 from verl_longstraw import Knobs, UnsupportedModelError, group_backward, group_log_probs
-from verl_longstraw.adapters.lora import linear_weights
+from verl_longstraw.lora import linear_weights
 from verl_longstraw.testing.compare import (
     full_log_probs,
     grads_of,

@@ -10,7 +10,7 @@ import torch
 
 import verl_longstraw.ops.attention as attention_ops
 from verl_longstraw import Knobs, group_backward, group_log_probs
-from verl_longstraw.adapters.mla import MultiHeadLatentAttentionAdapter
+from verl_longstraw.mixers import LatentAttention
 from verl_longstraw.state import PathState, Rows
 from verl_longstraw.testing.compare import (
     full_log_probs,
@@ -49,7 +49,7 @@ def test_absorbed_mla_equals_decompressed(family, overrides, monkeypatch):
     model = tiny_model(family, **overrides)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
     absorbed_lp, absorbed_grads = _run(model, prompt, responses, CHUNK)
-    monkeypatch.setattr(MultiHeadLatentAttentionAdapter, "absorbed", False)
+    monkeypatch.setattr(LatentAttention, "absorbed", False)
     ref_lp, ref_grads = _run(model, prompt, responses, CHUNK)
     for a, b in zip(absorbed_lp, ref_lp, strict=True):
         assert (a - b).abs().max() < 1e-5
@@ -110,7 +110,7 @@ def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
     assert _per_head_saved(model, prompt, responses, CHUNK) == []
-    monkeypatch.setattr(MultiHeadLatentAttentionAdapter, "absorbed", False)
+    monkeypatch.setattr(LatentAttention, "absorbed", False)
     assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
 
 

@@ -22,14 +22,14 @@ process):
   detached segments that score tokens: a captured segment after its prefix). Under CP both
   include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
   chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
-  Gated DeltaNet chunks the affine merge's summary run.
+  recurrent layers' chunks the affine merge's summary run.
 - ``transient_bytes``: the largest transient of any moment, counted at that moment beside the saved peak: pass-Q's
   scores of one key block, a row chunk of the replay's scoring, or the fused attention backward of one layer (its
   key blocks, flash's GQA expansion and dq accumulators on CUDA, its float32 query gradient; under CP also the
   gathered outputs and the float32 reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention``
   count for the device kind ``device_type`` (``fused_backward_transient_bytes``,
   ``sharded_fused_backward_transient_bytes``).
-- ``capture_peak_bytes``: the largest moment of a no-grad capture (``_Shapes.capture_transient``: the rotary
+- ``capture_peak_bytes``: the largest moment of a no-grad capture (``_Layers.capture_transient``: the rotary
   tables, the state rows its layers returned so far, the hidden-wide tensors of one decoder layer's MLP half), beside
   the state stored before it (none before the first capture's write).
 ``total_bytes`` is what the rank's device holds at the peak, the larger of the backward steps' peak
@@ -38,67 +38,35 @@ prompt state's own buffers, which the attention saves as views and ``state_bytes
 gradients held then are the most: every sum after the walk's first backward, during it those that exist
 (``PathState`` makes each on its layer's first gradient). ``host_bytes`` is what it keeps on the host.
 
-Nothing here re-derives what another module owns: each layer's token mixer (kind, the attention op's call shape,
-the output gate) is its adapter's ``Mixer`` (``adapters.adapter_on_meta`` for a config alone), each attention call's
-path and saves are the op's (``ops.attention.attention_path`` / ``attention_saved_bytes``,
-``parallel.attention.sharded_attention_saved_bytes``), each state tensor's bytes its kind's, the segments the plan's.
-
-Terms that grow with the prompt are counted exactly: K/V (or MLA latent) rows that attention
-concatenates and saves, the state buffers the blocked op saves, the shared additive mask and
-(MLA, whose SDPA falls back to the math backend) the float32 attention probabilities. Per-token
-activations of a layer are ``dtype bytes x (NORM x hidden + MIXER x mixer width + MLP x MLP width)``
-with the coefficients below, calibrated against ``SavedTensorMeter`` on CPU (the least certain
-term; it does not grow with P). ``check_budget`` turns the estimate into an early, actionable error.
+The estimate is composition only: the sum over the plan's steps (``Plan.steps``) and the model's layers of what each
+layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
+of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norms and
+MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
+``SavedTensorMeter`` on CPU, the least certain term; it does not grow with P), the state kinds' bytes, the scoring's
+chunks and the MoE exchange. ``adapters.adapter_on_meta`` gives the ops of a config alone. ``check_budget`` turns the
+estimate into an early, actionable error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .adapters import Adapter, Mixer, adapter_on_meta, model_on_meta
-from .adapters.base import MIXER_KINDS
-from .adapters.lora import base_model
+from .adapters import Adapter, adapter_on_meta, model_on_meta
 from .errors import UnsupportedModelError
 from .knobs import REPLAY_TOKENS, Knobs
-from .ops import attention as attention_ops
-from .ops.attention import AttentionCall, attention_path, attention_saved_bytes
-from .ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
-from .ops.kda import kda_torch_saved_bytes
-from .ops.ssd_scan import ssd_torch_saved_bytes
-from .ops.window_attention import window_attention_fused_dtype, window_attention_saved_bytes
+from .lora import base_model
+from .mixers import LayerCall, Saves
 from .parallel import experts as parallel_experts
-from .parallel.attention import sharded_attention_saved_bytes, sharded_fused_backward_transient_bytes
 from .plan import Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
 from .state.store import staging_nbytes
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
-ATTN_MIXER = 3.0  # q, rotated q/k, output and o_proj input, in units of the projection widths
-GDN_MIXER = 8.0  # float32 q/k/v/decay intermediates of the chunked gated delta rule, in units of its widths
-GDN_CHUNK_LEN = 64
-
-
-class RuleSaves(NamedTuple):
-    """Float32 tensors the chunked gated delta rule keeps per padded token and value head, in units of the key
-    head dim, the value head dim and the chunk length (its [64 x 64] per-chunk matrices); counted from its saved
-    tensors."""
-
-    key: int
-    value: int
-    chunk: int
-
-
-GDN_RULE = RuleSaves(key=6, value=3, chunk=5)  # a run whose output is used
-GDN_SUMMARY = RuleSaves(key=4, value=3, chunk=3)  # the CP affine merge's summary run: its dropped output frees more
-MLA_MIXER = 2.0
-KDA_MIXER = 10.0  # q/k/v projections, conv output and activation, gate projections, in units of heads x head dim
-KDA_FLOAT32 = 7.0  # the float32 forget gate and gated RMSNorm intermediates, float32 in units of heads x head dim
-MAMBA2_MIXER = 6.0  # in_proj output, conv output and activation, the gated norm's saves, in units of heads x head dim
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 # ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
 # (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
@@ -145,7 +113,7 @@ class MemoryEstimate:
     all_to_all_bytes: int = 0  # expert parallelism: the send and receive buffers of the largest MoE-layer call's
     # token exchange (``ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
     saved_state_bytes: int = 0  # of the saved bytes of the backward step at the peak, the state buffers its attention
-    # saves as views (``_Shapes.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
+    # saves as views (``Saves.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
     backward_grad_bytes: int | None = None  # the state-gradient bytes on the device at the backward peak's step
     # (None: all of them, ``device_state_grad_bytes + state_leaf_grad_bytes + in_flight_bytes``); fewer when the
     # peak is the walk's first backward, before whose end not every sum exists (``PathState`` makes each on its first
@@ -153,7 +121,7 @@ class MemoryEstimate:
     backward_peak_saved_bytes: int | None = None  # the saved bytes of the backward step at the peak (None:
     # ``saved_peak_bytes``)
     capture_peak_bytes: int = 0  # device bytes at the largest moment of a no-grad capture: the state stored before
-    # it, any state-gradient sums, and ``_Shapes.capture_transient`` of its chunk
+    # it, any state-gradient sums, and ``_Layers.capture_transient`` of its chunk
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -200,212 +168,65 @@ class MemoryEstimate:
         return self.state_grad_bytes + self.staging_bytes if self.state_grad_on_host else 0
 
 
-class _Shapes:
-    """Per-layer state and per-token widths of a model, on one rank of ``cp_size``: its ``config`` and what its
-    ``adapter`` declares per layer: state kinds (``specs``), token mixers (``mixers``, ``adapters.Mixer``: kind and
-    attention call shape) and MLP widths (``Adapter.mlp_width``)."""
+class _Layers:
+    """A model's decoder layers as the estimate reads them: each layer's mixer op (``Adapter.ops``: its state, saves
+    and transients), MLP width (``Adapter.mlp_width``) and the hidden width, in a model of ``dtype`` on a
+    ``device_type`` device. A layer saves its norms' and residuals' ``NORM`` x hidden per token (half before the
+    mixer, half after), its op's saves, and where its output is used its MLP's ``MLP`` x MLP width."""
 
-    def __init__(self, config, dtype: torch.dtype, adapter: Adapter, cp_size: int, device_type: str):
-        specs, mixers = adapter.specs(), adapter.mixers()
-        unknown = sorted({m.kind for m in mixers} - set(MIXER_KINDS))
-        if unknown:
-            raise UnsupportedModelError(
-                f"{getattr(config, 'model_type', 'model')}: the memory estimate does not account for token mixer "
-                f"kind(s) {unknown} (known: {list(MIXER_KINDS)}); set longstraw.preflight=false to run without the "
-                "pre-flight check"
-            )
-        self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(mixers))]
-        self.config, self.mixers = config, mixers
-        self.kinds = [m.kind for m in mixers]
-        self.dtype, self.device_type = dtype, device_type
+    def __init__(self, config, dtype: torch.dtype, adapter: Adapter, device_type: str):
+        self.ops = adapter.ops
+        self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(self.ops))]
+        self.hidden, self.dtype, self.device_type = config.hidden_size, dtype, device_type
         self.act = dtype.itemsize
-        self.compute = torch.promote_types(dtype, torch.float32).itemsize  # attention and delta-rule arithmetic
-        self.cp_size = cp_size
-        # bytes per prompt token of the state attention reads (and saves): rows, differentiable
-        self.attended_row_bytes = [sum(s.row_nbytes(dtype) for s in layer if s.differentiable) for layer in specs]
-        # the fused kernels' dtype for each attention mixer's inputs (None: they do not take them)
-        self.fused_dtypes = {
-            m: planned_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim)
-            for m in set(mixers) if m.attends
-        }
-        # the same for each layer over every earlier key with sinks (gpt-oss's full layers), None for the others
-        self.window_fused_dtypes = {
-            m: window_attention_fused_dtype(device_type, dtype, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, m.window)
-            for m in set(mixers) if m.kind == "window_attention"
-        }
         # the rotary tables' width (``Adapter.context``: cos and sin [tokens, rotary dim]); 0 without a rotary module
         rotary = getattr(adapter.backbone, "rotary_emb", None)
         inv_freq = getattr(rotary, "inv_freq", None)
         self.rotary_dim = 2 * inv_freq.shape[-1] if inv_freq is not None else 0
-        # activation bytes one token saves per layer, read for every step of a plan: computed once
-        self.layer_token_bytes = [self.token_bytes(idx) for idx in range(len(mixers))]
 
-    def token_bytes(self, idx: int) -> float:
-        """Activation bytes one token saves in layer ``idx`` (independent of the prefix; ``layer_token_bytes``)."""
-        c, m = self.config, self.mixers[idx]
-        if m.kind in ("attention", "window_attention"):
-            gate = 2 if m.gated_output else 1
-            mixer = ATTN_MIXER * (m.q_heads * m.qk_dim * gate + 2 * m.kv_heads * m.qk_dim)
-        elif m.kind == "gated_delta":
-            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-            mixer = 2 * (key_dim + value_dim) + self.gdn_float32_bytes() / self.act
-        elif m.kind == "kda":
-            width = m.q_heads * m.v_dim  # the rule's saves: ``segment_saved``
-            mixer = KDA_MIXER * width + KDA_FLOAT32 * width * 4 / self.act
-        elif m.kind == "mamba2":
-            mixer = MAMBA2_MIXER * m.q_heads * m.v_dim  # the scan's saves: ``segment_saved``
-        elif m.kind == "none":
-            mixer = 0
-        else:
-            absorbed_query = m.q_heads * m.qk_dim
-            per_head = m.q_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-            mixer = MLA_MIXER * (absorbed_query + per_head + (c.q_lora_rank or 0) + c.kv_lora_rank)
-        return self.act * (NORM * c.hidden_size + mixer + MLP * self.mlp_widths[idx])
+    def calls(self, batch: int, tokens: int, prefix: int, state_len: int, last_layer_stops: bool,
+              sizes: Sequence[int], rank: int, cp_size: int, consecutive: bool) -> list[LayerCall]:
+        """Each layer's ``LayerCall`` of one step: ``batch`` sequences of ``tokens`` on this rank after ``prefix``
+        rows (``LayerCall`` says the rest); ``last_layer_stops``: the step scores nothing, so the last layer's
+        output is not needed."""
+        last = len(self.ops) - 1
+        return [LayerCall(batch, tokens, prefix, state_len, not (last_layer_stops and idx == last), tuple(sizes),
+                          rank, cp_size, consecutive, self.dtype, self.device_type) for idx in range(len(self.ops))]
 
-    def ssd_token_bytes(self, m: Mixer, tokens: int, batch: int = 1) -> int:
-        """Bytes the torch chunked scan of Mamba2 mixer ``m`` saves for ``batch`` sequences of ``tokens``
-        (``ops.ssd_scan.ssd_torch_saved_bytes``) in the compute dtype."""
-        return ssd_torch_saved_bytes(batch, tokens, m.q_heads, m.v_dim, m.state_size, m.scan_chunk,
-                                     torch.promote_types(self.dtype, torch.float32))
+    def layer_saves(self, idx: int, call: LayerCall) -> Saves:
+        """Layer ``idx``'s saves of ``call``: its op's and the norms' and MLP's around it. A layer without state
+        whose output is not needed does not run."""
+        op = self.ops[idx]
+        if not call.need_output and not op.kinds:
+            return Saves(0)
+        mixer = op.saves(call)
+        per_token = NORM / 2 * self.hidden
+        if call.need_output:
+            per_token += NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]
+        return mixer._replace(own=int(mixer.own + call.batch * call.tokens * per_token * self.act))
 
-    def kda_rule_bytes(self, m: Mixer, tokens: int, batch: int = 1, value_dim: int | None = None) -> int:
-        """Bytes Kimi Delta Attention's torch chunked rule saves for ``batch`` sequences of ``tokens``
-        (``ops.kda.kda_torch_saved_bytes``; values of ``value_dim`` per head, the head dim if None). On CUDA with
-        flash-linear-attention's ``chunk_kda`` the rule saves less: this is the bound the estimate counts there."""
-        return kda_torch_saved_bytes(batch, tokens, m.q_heads, m.qk_dim, value_dim or m.v_dim)
+    def saved(self, calls: Sequence[LayerCall], checkpointed: bool) -> tuple[int, int, int, list[int]]:
+        """(saved bytes, of which pass-Q's gathered, of which views of the state, each layer's saves less its views)
+        of one step's ``calls``. Buffers shared by the layers (a mask) count once per size. ``checkpointed``: every
+        layer keeps only its input hidden state and the backward recomputes one layer at a time, so the step holds
+        the inputs plus the largest layer's saves (views not taken out)."""
+        saves = [self.layer_saves(idx, call) for idx, call in enumerate(calls)]
+        per_layer = [s.own + s.gathered + s.shared - s.state_views for s in saves]
+        if checkpointed:
+            largest = max(saves, key=lambda s: (s.own + s.gathered + s.shared, s.gathered))
+            inputs = sum(call.batch * call.tokens for call in calls) * self.hidden * self.act
+            return inputs + largest.own + largest.gathered + largest.shared, largest.gathered, 0, per_layer
+        gathered = sum(s.gathered for s in saves)
+        total = sum(s.own for s in saves) + gathered + sum({s.shared for s in saves if s.shared})
+        return total, gathered, sum(s.state_views for s in saves), per_layer
 
-    def kda_affine_merge_bytes(self, m: Mixer, tokens: int) -> float:
-        """What a CP chunk's affine KDA merge adds (``parallel.kda``): the summary run of the rule on values [v | 0]
-        (2 x head dim per head) and the R gathered summaries [D, 2D] with the R start states [D, D] per head."""
-        heads, dim = m.q_heads, m.qk_dim
-        return self.kda_rule_bytes(m, tokens, value_dim=2 * dim) + self.cp_size * heads * dim * 3 * dim * 4
+    def transient(self, calls: Sequence[LayerCall]) -> int:
+        """The largest backward transient of any layer's op in the step (``MixerOp.transient_bytes``)."""
+        return max((op.transient_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
-    def ssd_affine_merge_bytes(self, m: Mixer, tokens: int) -> float:
-        """What a CP chunk's affine merge of Mamba2 mixer ``m`` adds (``parallel.ssd``): the summary scan from zero
-        over the rank's tokens and the R gathered summaries [P, N + P] with the R start states [P, N] per head."""
-        heads, p, n = m.q_heads, m.v_dim, m.state_size
-        return self.ssd_token_bytes(m, tokens) + self.cp_size * heads * p * (2 * n + p) * self.compute
-
-    def gdn_float32_bytes(self) -> float:
-        """Float32 bytes per token that a Gated DeltaNet layer's chunked rule and its float32 intermediates save."""
-        c = self.config
-        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-        return 4 * (GDN_MIXER * 2 * (key_dim + value_dim) + GDN_RULE.chunk * c.linear_num_value_heads * GDN_CHUNK_LEN)
-
-    def gdn_rule_token_bytes(self, value_head_dim: int, saves: RuleSaves = GDN_RULE) -> float:
-        """Bytes the chunked gated delta rule itself keeps per (padded) token for values of ``value_head_dim``
-        per head."""
-        c = self.config
-        widths = saves.key * c.linear_key_head_dim + saves.value * value_head_dim + saves.chunk * GDN_CHUNK_LEN
-        return c.linear_num_value_heads * widths * self.compute
-
-    def gdn_affine_merge_bytes(self, tokens: int) -> float:
-        """What a CP chunk's affine Gated DeltaNet merge adds (``parallel.gated_delta``): the summary run of the
-        rule on values [v | 0] (Dv + Dk per head) over the padded tokens, and the R gathered summaries
-        [Dk, Dv + Dk] with the R start states [Dk, Dv]."""
-        c = self.config
-        heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        padded = tokens + (-tokens % GDN_CHUNK_LEN)
-        summary = padded * self.gdn_rule_token_bytes(dv + dk, GDN_SUMMARY)
-        return summary + self.cp_size * heads * dk * (2 * dv + dk) * self.compute
-
-    def attention_call(self, m: Mixer, batch: int, tokens: int, prefix: int) -> AttentionCall:
-        """The ``ops.attention.prefix_causal_attention`` call of an attention layer with mixer ``m`` for ``batch``
-        sequences of ``tokens`` after ``prefix`` state rows (shared by the batch, as a replay batch's parent)."""
-        return AttentionCall(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, prefix, batch > 1 and prefix > 0,
-                             False, self.dtype, self.fused_dtypes[m])
-
-    def pass_q_fused(self, mixer: Mixer) -> bool:
-        """Whether pass-Q runs on the fused kernels for this attention mixer (``parallel.attention``): where they
-        take its inputs (``ops.fused_attention.planned_fused_dtype``)."""
-        return self.fused_dtypes[mixer] is not None
-
-    def pass_q_saved(self, queries: int, last_layer_stops: bool, layers: Collection[int] | None = None) -> int:
-        """Bytes the pass-Q attention (``parallel.attention``) saves for ``queries`` gathered queries of all
-        ranks, summed over the attention layers (those in ``layers``; None: all): the queries (model dtype) and
-        the merged log-sum-exp; on the blocked path also the partial outputs and the log-sum-exps: this rank's,
-        the R gathered ones and each rank's weight. 0 in one process."""
-        if self.cp_size == 1:
-            return 0
-        total = 0
-        kinds = self.kinds[:-1] if last_layer_stops else self.kinds
-        for idx in range(len(kinds)) if layers is None else sorted(i for i in layers if i < len(kinds)):
-            m = self.mixers[idx]
-            if not m.attends:
-                continue
-            total += sharded_attention_saved_bytes(self.dtype, m.q_heads, m.qk_dim, m.v_dim, queries, self.cp_size,
-                                                   self.pass_q_fused(m), 0, 0).gathered
-        return total
-
-    def pass_q_score_block(self, queries: int, keys: int) -> int:
-        """Bytes of pass-Q's blocked partial attention while it scores ``queries`` gathered queries against one
-        block (``ops.attention.key_block_size``) of a rank's ``keys``: scores and probabilities [heads, queries,
-        block] in the compute dtype, for the blocked attention layer with the most heads; 0 in one process or
-        where every attention layer is fused."""
-        heads = max((m.q_heads for m in self.fused_dtypes if not self.pass_q_fused(m)), default=0)
-        if self.cp_size == 1 or not heads:
-            return 0
-        block = min(attention_ops.key_block_size(heads * queries, self.compute), keys)
-        return 2 * heads * queries * block * self.compute
-
-    def fused_backward_transient(
-        self, batch: int, tokens: int, prefix: int, sizes: Sequence[int], rank: int, consecutive: bool
-    ) -> int:
-        """Transient bytes of one attention layer's fused backward, the largest over the attention mixers whose
-        calls take the fused kernels (0 without any): in one process ``ops.fused_attention.
-        fused_backward_transient_bytes`` of ``batch`` sequences of ``tokens`` over ``prefix`` rows (shared by the
-        batch when it is > 1) where the dispatch takes the fused path for them (``ops.attention.attention_path``;
-        SDPA's backward is not counted; for window-attention layers ``ops.window_attention.
-        window_attention_fused_dtype``, over their past rows), under CP ``parallel.attention.
-        sharded_fused_backward_transient_bytes`` of the ranks' segments ``sizes`` (this rank's ``rank``) over this
-        rank's ``prefix`` rows, ``consecutive`` segments (a prompt chunk) or not."""
-        largest = 0
-        if self.cp_size == 1:  # window_attention's fused path: layers over every earlier key (CP refuses them)
-            for m, fused in self.window_fused_dtypes.items():
-                if fused is not None:
-                    largest = max(largest, fused_backward_transient_bytes(
-                        self.device_type, self.dtype, batch, m.q_heads, m.kv_heads, m.qk_dim, tokens, prefix, tokens,
-                        shared_prefix=batch > 1 and prefix > 0))
-        for m in self.fused_dtypes:
-            if not self.pass_q_fused(m):
-                continue
-            if self.cp_size == 1:
-                call = self.attention_call(m, batch, tokens, prefix)
-                if attention_path(call) != "fused":
-                    continue
-                one = fused_backward_transient_bytes(self.device_type, self.dtype, batch, m.q_heads, m.kv_heads,
-                                                     m.qk_dim, tokens, prefix, tokens, shared_prefix=call.shared_prefix)
-            else:
-                one = sharded_fused_backward_transient_bytes(self.device_type, self.dtype, batch, m.q_heads,
-                                                             m.kv_heads, m.qk_dim, sizes, rank, prefix, consecutive)
-            largest = max(largest, one)
-        return largest
-
-    def state_views(self, tokens: int, prefix: int, state_len: int, last_layer_stops: bool, batch: int = 1,
-                    layers: Collection[int] | None = None) -> int:
-        """Of what ``segment_saved`` counts for the same segment, the bytes that are the prompt state's own buffers:
-        the attention paths that save their inputs (fused, blocked, pass-Q under CP) save the prefix keys/values,
-        which are views of the state's ``Rows`` buffer (``state.kinds.Rows.read``), so they hold no memory besides
-        the state (``state_bytes``). Read off the ops' own cost functions: what ``ops.attention.
-        attention_saved_bytes`` (one process) or ``parallel.attention.sharded_attention_saved_bytes`` (CP) count for
-        the prefix buffer. Window-attention layers (their past is a copy) count none."""
-        views = 0
-        for idx in range(len(self.kinds)) if layers is None else sorted(layers):
-            kind = self.kinds[idx]
-            if kind not in ("attention", "mla"):
-                continue
-            if last_layer_stops and idx == len(self.kinds) - 1:  # its attention does not run
-                break
-            buffer = self.attended_row_bytes[idx] * state_len
-            if self.cp_size > 1:
-                views += buffer
-                continue
-            call = self.attention_call(self.mixers[idx], batch, tokens, prefix)
-            own_kv = self.attended_row_bytes[idx] * batch * tokens
-            views += attention_saved_bytes(call, buffer, own_kv).own - attention_saved_bytes(call, 0, own_kv).own
-        return views
+    def score_block(self, calls: Sequence[LayerCall]) -> int:
+        """The largest score block of any layer's op in the step (``MixerOp.score_block_bytes``)."""
+        return max((op.score_block_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
     def capture_transient(self, tokens: int, last_layer_stops: bool, state_rows: Sequence[int]) -> int:
         """Bytes a no-grad capture of ``tokens`` (``execute._Walk._capture``: ``run_segment`` under
@@ -419,112 +240,14 @@ class _Shapes:
         backward. The last layer of an unscored segment runs no MLP (``run_segment``'s ``need_output``). Not
         counted: the token mixer's own intermediates (in the dense attention layers measured the MLP half holds
         more) and MoE routing buffers."""
-        hidden = self.config.hidden_size
         rotary = 2 * self.rotary_dim * tokens * self.act
-        layers = len(self.kinds) - 1 if last_layer_stops else len(self.kinds)
+        layers = len(self.ops) - 1 if last_layer_stops else len(self.ops)
         largest = 0
         for idx in range(layers):
             m = self.mlp_widths[idx]
-            live = tokens * self.act * (4 * hidden + max(3 * m, m + hidden))
+            live = tokens * self.act * (4 * self.hidden + max(3 * m, m + self.hidden))
             largest = max(largest, sum(state_rows[: idx + 1]) + live)
         return rotary + largest
-
-    def saved(
-        self,
-        tokens: int,
-        queries: int,
-        prefix: int,
-        state_len: int,
-        last_layer_stops: bool,
-        consecutive: bool,
-        checkpointed: bool,
-        batch: int = 1,
-    ) -> tuple[int, int]:
-        """(saved bytes, of which pass-Q) of a segment of ``tokens`` on this rank (``batch`` such sequences after the
-        same state in one forward), ``queries`` gathered from all ranks (see ``segment_saved``). ``checkpointed``:
-        every layer keeps only its input hidden state and the backward recomputes one layer at a time, so the
-        segment holds the inputs plus the largest layer's saves."""
-        if not checkpointed:
-            pass_q = self.pass_q_saved(queries, last_layer_stops)
-            return pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive,
-                                               batch=batch), pass_q
-        largest = (0, 0)
-        for idx in range(len(self.kinds)):
-            pass_q = self.pass_q_saved(queries, last_layer_stops, {idx})
-            one = pass_q + self.segment_saved(tokens, prefix, state_len, last_layer_stops, consecutive, {idx}, batch)
-            largest = max(largest, (one, pass_q))
-        inputs = len(self.kinds) * batch * tokens * self.config.hidden_size * self.act
-        return inputs + largest[0], largest[1]
-
-    def segment_saved(
-        self,
-        tokens: int,
-        prefix: int,
-        state_len: int,
-        last_layer_stops: bool,
-        consecutive: bool,
-        layers: Collection[int] | None = None,
-        batch: int = 1,
-    ) -> int:
-        """Saved bytes of one segment of ``tokens`` (on this rank) after ``prefix`` state rows (buffers of
-        ``state_len`` rows), pass-Q excluded; ``consecutive``: the ranks' tokens continue one another (a prompt
-        chunk under CP). ``layers``: count only these layers (None: all). ``batch``: that many sequences of
-        ``tokens`` replay together after the same state (one process). Attention layers save what their op path
-        reports (``ops.attention.attention_saved_bytes``, ``parallel.attention.sharded_attention_saved_bytes``)."""
-        total = 0.0
-        masks: set[int] = set()
-        for idx in range(len(self.kinds)) if layers is None else sorted(layers):
-            kind = self.kinds[idx]
-            row_bytes = self.attended_row_bytes[idx]
-            stops = last_layer_stops and idx == len(self.kinds) - 1  # its state is all that is needed of it:
-            if stops and kind == "none":  # an MLP block does not run,
-                break
-            if stops and kind in ("attention", "window_attention", "mla"):  # attention: norm and K/V only,
-                total += batch * tokens * (NORM / 2 * self.config.hidden_size * self.act + 2 * row_bytes)
-                break
-            mlp_skipped = self.act * MLP * self.mlp_widths[idx] if stops else 0  # a recurrence runs, its MLP not
-            total += batch * tokens * (self.layer_token_bytes[idx] - mlp_skipped)
-            if kind == "gated_delta":  # the chunked rule pads each sequence to whole chunks
-                padding = batch * (-tokens % GDN_CHUNK_LEN)
-                total += padding * self.gdn_rule_token_bytes(self.config.linear_value_head_dim)
-                if consecutive and self.cp_size > 1:
-                    total += self.gdn_affine_merge_bytes(tokens)
-                continue
-            if kind == "kda":  # the chunked rule's saves (each sequence padded to whole chunks)
-                total += self.kda_rule_bytes(self.mixers[idx], tokens, batch)
-                if consecutive and self.cp_size > 1:
-                    total += self.kda_affine_merge_bytes(self.mixers[idx], tokens)
-                continue
-            if kind == "mamba2":  # the chunked scan's saves (each sequence padded to whole chunks)
-                total += self.ssd_token_bytes(self.mixers[idx], tokens, batch)
-                if consecutive and self.cp_size > 1:
-                    total += self.ssd_affine_merge_bytes(self.mixers[idx], tokens)
-                continue
-            if kind == "none":
-                continue
-            if kind == "window_attention":  # its op's saves (``ops.window_attention``) and the segment's K/V
-                m = self.mixers[idx]
-                past = prefix if m.window is None else min(prefix, m.window - 1)
-                total += window_attention_saved_bytes(batch, m.q_heads, m.kv_heads, m.qk_dim, m.v_dim, tokens, past,
-                                                      m.window, m.sinks, self.dtype, past_shared=batch > 1,
-                                                      device_type=self.device_type)
-                total += row_bytes * batch * tokens
-                continue
-            if self.cp_size > 1:  # pass-Q over this rank's state buffer and own rows; the queries it saves are the
-                # gathered rows (``pass_q_saved``), and so are the outputs on the blocked path (fused: this rank's):
-                # this rank's are not saved besides, though the per-token coefficient counts them
-                m = self.mixers[idx]
-                fused = self.pass_q_fused(m)
-                saves = sharded_attention_saved_bytes(self.dtype, m.q_heads, m.qk_dim, m.v_dim, 0, self.cp_size,
-                                                      fused, row_bytes * state_len, row_bytes * tokens)
-                total += saves.local - tokens * m.q_heads * (m.qk_dim if fused else m.qk_dim + m.v_dim) * self.act
-                continue
-            call = self.attention_call(self.mixers[idx], batch, tokens, prefix)
-            saves = attention_saved_bytes(call, row_bytes * state_len, row_bytes * batch * tokens)
-            total += saves.own
-            if saves.shared:
-                masks.add(saves.shared)
-        return int(total + sum(masks))
 
 
 def estimate_memory(
@@ -610,8 +333,7 @@ def estimate_plan(
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     specs = adapter.specs()
-    shapes = _Shapes(config, dtype, adapter, plan.world, device_type)
-    local = _Shapes(config, dtype, adapter, 1, device_type) if plan.world > 1 else shapes  # rounds, no state
+    layers = _Layers(config, dtype, adapter, device_type)
     rank, rows = plan.rank, plan.capacity
     states_held, grads_held = plan.held(mode)
     kinds = [s for layer in specs for s in layer]
@@ -649,35 +371,27 @@ def estimate_plan(
             freed_above += layer_saved[j]
         return largest
 
-    def per_layer_saved(step_shapes: _Shapes, tokens: int, queries: int, prefix: int, stops: bool,
-                        consecutive: bool, batch: int) -> list[int]:
-        """Each layer's saves of a step (pass-Q included), less the state buffers it saves as views."""
-        return [step_shapes.pass_q_saved(queries, stops, {idx})
-                + step_shapes.segment_saved(tokens, prefix, rows, stops, consecutive, {idx}, batch)
-                - step_shapes.state_views(tokens, prefix, rows, stops, batch, {idx}) for idx in range(len(specs))]
-
     # the backward step at the peak: its saved bytes less the state views, plus the state-gradient bytes held then
     peak_moment = peak_saved = peak_views = peak_grads = None
     backward_seen = written = False
     capture_peak = 0
 
-    def backward_step(step_shapes: _Shapes, saved: int, tokens: int, queries: int, prefix: int, stops: bool,
-                      consecutive: bool, batch: int) -> None:
+    def backward_step(calls: Sequence[LayerCall], extra: int) -> tuple[int, int]:
+        """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves) toward the
+        peak; returns its (saved bytes, of which pass-Q)."""
         nonlocal peak_moment, peak_saved, peak_views, peak_grads, backward_seen
+        saved, pass_q, views, per_layer = layers.saved(calls, checkpointed)
+        saved += extra
         # checkpointed: the saved figure is the layer inputs plus one layer's saves, not calibrated against a meter
         # (see ``estimate_memory``); its terms are kept as they were: no views taken out, every gradient counted
-        views = 0 if checkpointed else step_shapes.state_views(tokens, prefix, rows, stops, batch)
-        if backward_seen or checkpointed:
-            grads = all_grads
-        else:
-            grads = first_backward_grads(per_layer_saved(step_shapes, tokens, queries, prefix, stops,
-                                                                       consecutive, batch))
+        grads = all_grads if backward_seen or checkpointed else first_backward_grads(per_layer)
         moment = saved - views + grads
         if peak_moment is None or moment > peak_moment:
             peak_moment, peak_saved, peak_views, peak_grads = moment, saved, views, grads
         backward_seen = True
+        return saved, pass_q
 
-    hidden_bytes = config.hidden_size * shapes.act  # per token: the final hidden states ``score`` saves
+    hidden_bytes = config.hidden_size * layers.act  # per token: the final hidden states ``score`` saves
     replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
     batch_most, call_tokens = 1, 0
     for step in plan.steps(mode):
@@ -686,19 +400,16 @@ def estimate_plan(
             tokens = max((leaf.length for leaf in leaves), default=1)  # a batch pads to its longest; a CP dummy: 1
             batch = max(len(leaves), 1)
             prefix = plan.rank_rows_after(step.parent)[rank]
-            sizes = step.split.query_sizes if step.split is not None else (tokens,) * batch
-            queries = sum(sizes)
-            alone = local if step.split is None or not any(step.split.prefix_sizes) else shapes
-            saved, pass_q = alone.saved(tokens, queries, prefix, rows, last_layer_stops=False, consecutive=False,
-                                        checkpointed=checkpointed, batch=batch)
-            saved += batch * tokens * hidden_bytes
+            split = step.split
+            sharded = split is not None and any(split.prefix_sizes)  # else one process or a round without rows
+            calls = layers.calls(batch, tokens, prefix, rows, False, split.query_sizes if split else (tokens,),
+                                 rank if split else 0, plan.world if sharded else 1, False)
+            saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes)
             if saved > replay:
                 replay, replay_pass_q = saved, pass_q
-            backward_step(alone, saved, tokens, queries, prefix, False, False, batch)
-            replay_transient = max(replay_transient, alone.fused_backward_transient(
-                batch, tokens, prefix, sizes if step.split is not None else [tokens], rank, consecutive=False))
+            replay_transient = max(replay_transient, layers.transient(calls))
             score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens),
-                              alone.pass_q_score_block(queries, prefix + tokens))
+                              layers.score_block(calls))
             batch_most = max(batch_most, batch)
             call_tokens = max(call_tokens, batch * tokens)
             continue
@@ -709,23 +420,20 @@ def estimate_plan(
         own = sizes[rank if step.split is not None else 0]
         call_tokens = max(call_tokens, own)
         # a capture (and recompute): its tokens of all ranks against this rank's rows
-        score_block = max(score_block, shapes.pass_q_score_block(segment.length, rows))
+        calls = layers.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
+        score_block = max(score_block, layers.score_block(calls))
         if segment.scored:
             score_block = max(score_block, score_transient_bytes(config.vocab_size, own))
         if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient
             own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
             held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
-            capture_peak = max(capture_peak, held + shapes.capture_transient(own, not segment.scored, own_rows))
+            capture_peak = max(capture_peak, held + layers.capture_transient(own, not segment.scored, own_rows))
             written = True
         if step.phase == "recompute":
-            saved, pass_q = shapes.saved(own, segment.length, prefix, rows, last_layer_stops=not segment.scored,
-                                         consecutive=True, checkpointed=checkpointed)
-            saved += own * hidden_bytes if segment.scored else 0
+            saved, pass_q = backward_step(calls, own * hidden_bytes if segment.scored else 0)
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
-            backward_step(shapes, saved, own, segment.length, prefix, not segment.scored, True, 1)
-            backward_transient = max(backward_transient, shapes.fused_backward_transient(
-                1, own, prefix, sizes, rank, consecutive=True))
+            backward_transient = max(backward_transient, layers.transient(calls))
     captured = [plan.segments[i].length for i in plan.captured]
     estimate = MemoryEstimate(
         state_bytes=state,
@@ -798,6 +506,7 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         f"{gib(e.transient_bytes)}. To fit: "
         + "; ".join(knobs) + "; or shorten the prompt"
     )
+
 
 
 def _largest_pair(units: Sequence[int]) -> int:

@@ -82,7 +82,7 @@ def check_prompt_layout(captured: int, chunk_size: int | None, world: int) -> No
 @dataclass(frozen=True)
 class Split:
     """How one step is split over the R ranks of a CP group: metadata every rank has, the one description the
-    adapters' token mixers read at run time too (``adapters.base.SegmentContext``, with the group).
+    adapters' token mixers read at run time too (``mixers.SegmentContext``, with the group).
 
     Rank r runs ``query_sizes[r]`` tokens against its ``prefix_sizes[r]`` rows of state. ``consecutive``: the
     ranks' tokens are consecutive sub-slices of one sequence in rank order (capture and recompute chunks: state

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
-from verl_longstraw.adapters import hybrid
+from verl_longstraw.mixers import GatedDelta
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.testing.fsdp_probe import FsdpRecorder
@@ -89,19 +89,19 @@ def _mixed_precision_worker(rank: int, world: int) -> list[str]:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
     model = _wrap(tiny_model("qwen3_5", torch.float32), policy)
     seen: list[str] = []
-    original = hybrid.gated_deltanet_mix
+    original = GatedDelta.forward
 
-    def spy(mixer, x, ctx, past):
+    def spy(op, x, ctx, past, need_output):
         seen.append(str(past[1].dtype))
-        return original(mixer, x, ctx, past)
+        return original(op, x, ctx, past, need_output)
 
-    hybrid.gated_deltanet_mix = spy
+    GatedDelta.forward = spy
     try:
         prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
         responses = [torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(1))]
         group_backward(model, prompt, responses, _loss, knobs=Knobs(chunk_size=16))
     finally:
-        hybrid.gated_deltanet_mix = original
+        GatedDelta.forward = original
     return seen
 
 

@@ -1,10 +1,9 @@
 """The one interface every architecture adapter implements.
 
-An adapter runs a segment of tokens through the model, layer by layer, reading the state
-of the tokens before it and returning the state the segment adds. It reuses the model's
-own submodules (projections, norms, MLP/MoE) and owns only the token mixer (attention,
-linear attention) and the state format, so it does not depend on one transformers
-release's cache classes.
+An adapter runs a segment of tokens through the model, layer by layer, reading the state of the tokens before it
+and returning the state the segment adds. It reuses the model's own submodules (projections, norms, MLP/MoE) and
+declares each layer's token mixer once (``op``: a ``mixers.MixerOp`` that owns the layer's state, forward, CP form
+and costs), so it does not depend on one transformers release's cache classes.
 """
 
 from __future__ import annotations
@@ -12,109 +11,17 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops.attention import prefix_causal_attention
-from ..ops.gated_delta_rule import gated_delta_rule
-from ..ops.kda import DeltaRule, kda_rule
-from ..ops.ssd_scan import ChunkScan, ssd_scan
-from ..ops.window_attention import window_attention
+from ..lora import base_model, check_lora
+from ..mixers import MixerOp, SegmentContext
 from ..parallel import comm
-from ..parallel.attention import sharded_prefix_attention
-from ..parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
-from ..parallel.kda import sharded_kda_rule
-from ..parallel.ssd import sharded_ssd_scan
 from ..plan import Split
 from ..state import LayerState, StateKind
-from .lora import base_model, check_lora
-
-
-@dataclass
-class SegmentContext:
-    """What every layer of one segment shares: rotary tables of its positions, how the segment is split
-    over a context-parallel group (``split``, the plan's, and ``group``; None: one process), scratch for the
-    adapter.
-
-    Token mixers run their sequence-mixing ops through ``attention``, ``delta_rule``, ``kda_rule``, ``ssd_scan``
-    and ``conv_input`` so one code path serves one process and a CP group.
-    """
-
-    cos: torch.Tensor  # [S, rotary_dim]: the segment's S tokens
-    sin: torch.Tensor
-    split: Split | None = None
-    group: comm.Group = None
-    scratch: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def splits_sequence(self) -> bool:
-        """Whether this rank's tokens continue another rank's (a capture or recompute chunk under CP)."""
-        return self.split is not None and self.split.consecutive
-
-    def attention(self, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
-        """``prefix_causal_attention`` (shapes there, a batch-1 prefix shared by B sequences included) over the
-        prompt state of every rank of the group."""
-        if self.split is None:
-            return prefix_causal_attention(
-                q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask, cache=self.scratch
-            )
-        s = self.split
-        return sharded_prefix_attention(
-            q, k_prefix, v_prefix, k_self, v_self, scale,
-            self.group, s.query_sizes, s.prefix_sizes, s.consecutive, key_mask,
-        )
-
-    def window_attention(self, q, k_past, v_past, k_self, v_self, scale: float, window: int | None,
-                         sinks: torch.Tensor | None) -> torch.Tensor:
-        """``ops.window_attention.window_attention`` (shapes there) over the rows before the segment; one process
-        only (``Adapter.check_context_parallel`` refuses a CP group for models with such layers)."""
-        if self.split is not None:
-            raise UnsupportedModelError("sliding-window and sink attention have no context-parallel form")
-        return window_attention(q, k_past, v_past, k_self, v_self, scale, window, sinks)
-
-    def delta_rule(self, q, k, v, g, beta, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gated_delta_rule`` (shapes there, q/k L2-normalised) continuing ``initial_state``; under CP with a split
-        sequence the state flows through the ranks and the returned final state is every rank's."""
-        if not self.splits_sequence:
-            return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True)
-        return sharded_gated_delta_rule(
-            q, k, v, g, beta, initial_state, self.group, self.split.query_sizes, use_qk_l2norm=True
-        )
-
-    def kda_rule(self, rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kimi Delta Attention's ``ops.kda.kda_rule`` (shapes there) continuing ``initial_state``; under CP with a
-        split sequence the state flows through the ranks and the returned final state is every rank's."""
-        if not self.splits_sequence:
-            return kda_rule(rule, q, k, v, g, beta, initial_state)
-        return sharded_kda_rule(rule, q, k, v, g, beta, initial_state, self.group, self.split.query_sizes)
-
-    def ssd_scan(self, scan: ChunkScan, x, dt, A, B, C, D, initial_state: torch.Tensor,
-                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mamba2's ``ops.ssd_scan.ssd_scan`` (shapes there) continuing ``initial_state``; under CP with a split
-        sequence the state flows through the ranks and the returned final state is every rank's."""
-        if not self.splits_sequence:
-            return ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size)
-        return sharded_ssd_scan(scan, x, dt, A, B, C, D, initial_state, chunk_size, self.group,
-                                self.split.query_sizes)
-
-    def conv_input(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
-        last K-1 inputs after it (the next conv state, owning its storage). ``conv_state`` [B, C, K-1]."""
-        if self.splits_sequence:
-            return sharded_conv_input(x, conv_state, self.group, self.split.query_sizes)
-        conv_in = torch.cat([conv_state, x], dim=-1)
-        return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
-
-
-def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
-    """A fixed-size state [1, ...] for ``batch`` sequences: itself for one, else a contiguous copy [batch, ...]
-    (small: e.g. a Gated DeltaNet recurrent state; kernels such as flash-linear-attention's read it densely)."""
-    return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
 
 
 @contextmanager
@@ -153,69 +60,12 @@ def _call_replaced(module: nn.Module, fn: Callable, *args: Any) -> Any:
         return nn.Module.__call__(module, *args)  # module hooks fire; HF's checkpointing __call__ is bypassed
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` [..., S, D] (partial rotary passes the rest).
-
-    ``cos``/``sin`` [S, rotary_dim] come from the model's rotary module (split-half layout).
-    ``interleaved`` first de-interleaves pairs (DeepSeek-V3 ``rope_interleave``).
-    """
-    rot_dim = cos.shape[-1]
-    if not rot_dim:  # no positional embedding (nemotron_h attention)
-        return x
-    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    if interleaved:
-        rot = rot.unflatten(-1, (rot_dim // 2, 2)).transpose(-1, -2).flatten(-2)
-    rot = rot * cos + rotate_half(rot) * sin
-    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
-
-
-MIXER_KINDS = ("attention", "window_attention", "mla", "gated_delta", "kda", "mamba2", "none")
-ATTENTION_KINDS = ("attention", "mla")  # the kinds that attend over K/V rows (``ops.attention``)
-
-
-@dataclass(frozen=True)
-class Mixer:
-    """A layer's token mixer as the memory estimate and the benchmarks read it (``Adapter.mixer``).
-
-    ``kind`` (``MIXER_KINDS``): "attention" (``ops.attention`` over K/V rows), "window_attention" (``ops.
-    window_attention``: within a sliding ``window`` of keys, None for every earlier key, with learned ``sinks`` or
-    not, over K/V rows or a window of them), "mla" (the same op in MLA's latent
-    space: absorbed queries, one key head, the values a view of the latent keys), "gated_delta" (the chunked
-    gated delta rule over fixed-size state), "kda" (Kimi Delta Attention, ``ops.kda``, over fixed-size state),
-    "mamba2" (Mamba2's chunked scan, ``ops.ssd_scan``, over fixed-size
-    state) or "none" (no token mixer: a block of an MLP or MoE alone, nemotron_h). Attention kinds: the op's call
-    shape, ``q_heads``, ``kv_heads``, ``qk_dim`` and ``v_dim`` per head; ``gated_output``: a sigmoid output gate
-    packed into ``q_proj`` (which then projects to twice the query width). "mamba2": the scan's shape, ``q_heads``
-    SSM heads of ``v_dim`` channels, ``kv_heads`` B/C groups of ``state_size``, chunks of ``scan_chunk`` tokens;
-    "kda": the rule's ``q_heads`` heads of ``qk_dim`` keys and ``v_dim`` values."""
-
-    kind: str
-    q_heads: int = 0
-    kv_heads: int = 0
-    qk_dim: int = 0
-    v_dim: int = 0
-    gated_output: bool = False
-    window: int | None = None
-    sinks: bool = False
-    state_size: int = 0
-    scan_chunk: int = 0
-
-    @property
-    def attends(self) -> bool:
-        """Whether the mixer attends over K/V rows (``ATTENTION_KINDS``)."""
-        return self.kind in ATTENTION_KINDS
-
-
 class Adapter(ABC):
     """Runs decoder layers over a segment given the prompt state of earlier tokens.
 
-    Decoder layers are pre-norm: ``h + mixer(input_layernorm(h))``, then
-    ``h + mlp(post_attention_layernorm(h))``. Subclasses implement the mixer and its state.
+    Decoder layers are pre-norm: ``h + mixer(input_layernorm(h))``, then ``h + mlp(post_attention_layernorm(h))``.
+    Subclasses declare each layer's mixer (``op``) and, where the layer differs, ``layer``, ``embed``,
+    ``final_hidden`` and ``mlp_width``.
     """
 
     model_types: tuple[str, ...] = ()
@@ -234,28 +84,12 @@ class Adapter(ABC):
         self.layers = self.backbone.layers
         self.lm_head = base.lm_head
         self.check_supported()
+        self.ops: tuple[MixerOp, ...] = tuple(self.op(idx) for idx in range(len(self.layers)))
 
     # -- to implement per architecture -------------------------------------------------
     @abstractmethod
-    def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
-        """Kind of each of layer ``idx``'s state tensors (``state.kinds``: layout, gradient, bytes, empty value)."""
-
-    @abstractmethod
-    def mixer(self, idx: int) -> Mixer:
-        """What layer ``idx``'s token mixer runs (its kind and the attention op's call shape)."""
-
-    @abstractmethod
-    def mix(
-        self, idx: int, x: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
-    ) -> tuple[torch.Tensor | None, LayerState]:
-        """Token mixer of layer ``idx``: normalised input ``x`` [B, S, hidden] -> (output [B, S, hidden], state).
-
-        B is 1, or B > 1 right-padded responses replayed together after one batch-1 ``past`` (whose ``Rows``
-        tensors must be broadcast, never copied per response; ``SegmentContext.attention`` does so).
-
-        Without ``need_output`` only the state is needed (the output may be None), e.g. the
-        last layer while capturing a prompt: attention then skips attending.
-        """
+    def op(self, idx: int) -> MixerOp:
+        """Layer ``idx``'s token mixer, bound to its module (built once, ``ops``)."""
 
     def check_supported(self) -> None:
         """Raise ``UnsupportedModelError`` for configurations this adapter would compute wrongly."""
@@ -279,15 +113,16 @@ class Adapter(ABC):
 
     def check_context_parallel(self, cp_size: int) -> None:
         """Raise ``UnsupportedModelError`` naming ``context_parallel_size`` where a layer's token mixer has no
-        sharded form and ``cp_size`` > 1 (sliding-window and sink attention, ``Mixer.kind`` "window_attention")."""
+        sharded form (``MixerOp.context_parallel``) and ``cp_size`` > 1."""
         if cp_size <= 1:
             return
-        unsharded = [idx for idx, m in enumerate(self.mixers()) if m.kind == "window_attention"]
+        unsharded = [idx for idx, op in enumerate(self.ops) if not op.context_parallel]
         if unsharded:
+            kinds = sorted({self.ops[idx].kind for idx in unsharded})
             raise UnsupportedModelError(
-                f"{self.config.model_type}: context_parallel_size={cp_size} is not supported for its sliding-window "
-                f"or sink attention layers ({len(unsharded)} of {self.num_layers}, e.g. layer {unsharded[0]}); set "
-                "longstraw.context_parallel_size=1 (a window layer's state is W - 1 rows, not the prompt's)"
+                f"{self.config.model_type}: context_parallel_size={cp_size} is not supported for its {kinds} layers "
+                f"({len(unsharded)} of {self.num_layers}, e.g. layer {unsharded[0]}), which have no context-parallel "
+                "form; set longstraw.context_parallel_size=1"
             )
 
     def mlp_width(self, idx: int) -> int:
@@ -309,13 +144,13 @@ class Adapter(ABC):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
+        """Kind of each of layer ``idx``'s state tensors (its op's: layout, gradient, bytes, empty value)."""
+        return self.ops[idx].kinds
+
     def specs(self) -> list[tuple[StateKind, ...]]:
         """Every layer's ``state_kinds``."""
-        return [self.state_kinds(i) for i in range(self.num_layers)]
-
-    def mixers(self) -> list[Mixer]:
-        """Every layer's ``mixer``."""
-        return [self.mixer(i) for i in range(self.num_layers)]
+        return [op.kinds for op in self.ops]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] -> hidden [1, S, hidden]; ids [B, S] (right-padded sequences) -> [B, S, hidden]."""
@@ -343,7 +178,7 @@ class Adapter(ABC):
         """One decoder layer: (hidden [B, S, hidden], *segment_state); hidden is None without ``need_output``.
         A flat tuple of tensors, so module hooks (FSDP2's) see every output."""
         layer = self.layers[idx]
-        mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past, need_output)
+        mixed, state = self.ops[idx].forward(layer.input_layernorm(h), ctx, past, need_output)
         if not need_output:
             return (None, *state)
         h = h + mixed
@@ -382,7 +217,7 @@ def model_on_meta(config) -> nn.Module:
 
 def adapter_on_meta(config) -> Adapter:
     """The adapter of ``model_on_meta(config)``: what the memory estimate reads of a model it has only the config
-    of (state kinds, token mixers)."""
+    of (its layers' mixer ops and MLP widths)."""
     return adapter_for(model_on_meta(config))
 
 
@@ -393,6 +228,7 @@ def adapter_for(model: nn.Module) -> Adapter:
     if cls is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} has no LongStraw adapter; supported: {', '.join(supported_model_types())}. "
-            "Add one module under verl_longstraw/adapters/ to support it."
+            "Add one module under verl_longstraw/adapters/ declaring each layer's mixer op (verl_longstraw/mixers/) "
+            "to support it."
         )
     return cls(model)

@@ -2,9 +2,8 @@
 with learned attention sinks and biased projections, each followed by a MoE block (top-k router, SwiGLU experts with
 clamped gates, as the model computes them).
 
-State per layer: K (after RoPE) and V [1, kv_heads, ., head_dim]: every token's row on a full layer (``Rows``), the
-last W - 1 on a sliding layer (``Window``); the dense adapter's ``attention_mix`` runs both through
-``ops.window_attention`` (the sinks merged by log-sum-exp).
+Both layer kinds are ``mixers.WindowAttention`` (the sinks merged by log-sum-exp by ``ops.window_attention``): over
+every earlier key on a full layer, the last W - 1 rows on a sliding one.
 """
 
 from __future__ import annotations

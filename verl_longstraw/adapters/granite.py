@@ -1,16 +1,11 @@
 """Granite 4.0 hybrids (``granitemoehybrid``): Mamba2 and attention layers, each followed by a MoE block with a
 shared MLP (or the shared MLP alone when ``num_local_experts`` is 0), with Granite's muP multipliers.
 
-The Mamba2 mixer is Nemotron-H's (``mamba2.mamba2_mix``: the same transformers ops and ``mamba2_chunk_scan``), the
-attention the dense GQA op with ``attention_multiplier`` as its scale and RoPE only where
+The Mamba2 mixer is Nemotron-H's (``mixers.Mamba2``: the same transformers ops and ``mamba2_chunk_scan``), the
+attention the dense GQA op (``mixers.Attention``) with ``attention_multiplier`` as its scale and RoPE only where
 ``position_embedding_type`` is "rope". The multipliers are applied where the model applies them: the embeddings
 times ``embedding_multiplier``, each sublayer's output times ``residual_multiplier`` before the residual add, the
 logits divided by ``logits_scaling`` (here: the final norm's output, what the bias-free LM head reads).
-
-State per layer:
-- Mamba2: conv state [1, conv_dim, kernel - 1] (model dtype) and SSM state [1, heads, head_dim, state_size]
-  (float32), both ``Fixed``;
-- attention: K (after RoPE, if any) and V [1, kv_heads, S, head_dim] (``Rows``).
 """
 
 from __future__ import annotations
@@ -18,11 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedModelError
-from ..ops.ssd_scan import model_chunk_scan
-from ..state import StateKind
-from .base import Adapter, Mixer, register
-from .dense import attention_mix, attention_mixer, kv_kinds
-from .mamba2 import mamba2_kinds, mamba2_mix, mamba2_mixer
+from ..mixers import Attention, Mamba2, MixerOp
+from .base import Adapter, register
 
 _MAMBA = "linear_attention"
 
@@ -33,7 +25,7 @@ class GraniteMoeHybridAdapter(Adapter):
     expert_plan = {"layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
                    "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
                    "layers.*.block_sparse_moe.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (mamba2_mix)
+    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = (_MAMBA, "full_attention")
 
     def check_supported(self) -> None:
@@ -47,19 +39,13 @@ class GraniteMoeHybridAdapter(Adapter):
                     "no Mamba2 mixer there (transformers>=5.17 names the layer types linear_attention / "
                     "full_attention)"
                 )
-            if self._is_mamba(idx):
-                model_chunk_scan(layer.mamba)  # raises for a release whose mixer has no mamba2_chunk_scan
 
     def _is_mamba(self, idx: int) -> bool:
         return self.config.layer_types[idx] == _MAMBA
 
-    def mixer(self, idx: int) -> Mixer:
+    def op(self, idx: int) -> MixerOp:
         layer = self.layers[idx]
-        return mamba2_mixer(layer.mamba) if self._is_mamba(idx) else attention_mixer(layer.self_attn)
-
-    def state_kinds(self, idx: int) -> tuple[StateKind, ...]:
-        layer = self.layers[idx]
-        return mamba2_kinds(layer.mamba) if self._is_mamba(idx) else kv_kinds(layer.self_attn)
+        return Mamba2(layer.mamba) if self._is_mamba(idx) else Attention(layer.self_attn)
 
     def mlp_width(self, idx: int) -> int:
         """The shared MLP's intermediate width, plus the routed experts x top-k and the router's logits where the
@@ -68,12 +54,6 @@ class GraniteMoeHybridAdapter(Adapter):
         routed = c.num_experts_per_tok * c.intermediate_size + c.num_local_experts if c.num_local_experts else 0
         return c.shared_intermediate_size + routed
 
-    def mix(self, idx, x, ctx, past, need_output):
-        layer = self.layers[idx]
-        if self._is_mamba(idx):
-            return mamba2_mix(layer.mamba, x, ctx, past)
-        return attention_mix(layer.self_attn, x, ctx, past, need_output)
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return super().embed(ids) * self.config.embedding_multiplier
 
@@ -81,7 +61,7 @@ class GraniteMoeHybridAdapter(Adapter):
         """``h + r * mixer(norm(h))``, then ``h + r * (moe(norm(h)) + shared_mlp(norm(h)))``, r the residual
         multiplier (the model's ``GraniteMoeHybridDecoderLayer``)."""
         layer, scale = self.layers[idx], self.config.residual_multiplier
-        mixed, state = self.mix(idx, layer.input_layernorm(h), ctx, past, need_output)
+        mixed, state = self.ops[idx].forward(layer.input_layernorm(h), ctx, past, need_output)
         if not need_output:
             return (None, *state)
         h = h + mixed * scale

@@ -12,7 +12,7 @@ and, in a capture chunk, the own keys of the earlier ranks. On every rank r:
    rank's local top-k, so the keys at or above the threshold are exactly the single-process selection,
    tie rule included;
 4. mark the local keys at or above the threshold: the key mask [N, P_r + T_r] ``sharded_prefix_attention``
-   takes (``SegmentContext.attention``).
+   takes (``mixers.attention.attend``).
 
 Global key positions (the tie order) are those of one process: rank r's prefix rows sit at the prompt
 positions of ``plan.Split.prefix_spans``, own keys after the whole prefix, at ``sum(prefix_sizes)`` + the

@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..adapters import adapter_for
-from ..adapters.lora import base_model
 from ..errors import UnsupportedModelError
+from ..lora import base_model
 
 MIN_TRANSFORMERS = Version("5.19.0")  # the first release with the ep_dispatch_experts plan
 DISPATCH, SHARDED = "ep_dispatch_experts", "grouped_gemm"  # transformers' plan styles: the module, its weights

@@ -217,7 +217,7 @@ def _kda_mixers(model) -> list[torch.nn.Module]:
 
 def _forward_with_reference_kda(self, *args, **kwargs):
     """A KDA mixer's own forward with its module's ``chunk_kimi_delta_attention`` global set to the reference
-    recurrence while it runs (replay calls the rule outside the forward: ``adapters.kda.kda_mix``)."""
+    recurrence while it runs (replay calls the rule outside the forward: ``mixers.Kda.forward``)."""
     python_module = sys.modules[type(self).__module__]
     found = getattr(python_module, KDA_RULE)
     setattr(python_module, KDA_RULE, _reference_kda_rule)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from .errors import UnsupportedModelError
 
 
 def base_model(model: nn.Module) -> nn.Module:

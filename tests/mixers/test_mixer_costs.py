@@ -1,0 +1,68 @@
+"""Each mixer op's saved bytes (``MixerOp.saves``) against ``memory.SavedTensorMeter`` on one layer's forward, for
+every op kind of the tiny families: a replay batch over a shared prefix, within the whole-layer estimate's bounds
+(tests/test_estimate.py: the projections' per-token coefficients are calibrated), and a segment whose output is not
+needed (the last layer of an unscored chunk), whose count bounds what it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_longstraw.adapters import adapter_for
+from verl_longstraw.memory import SavedTensorMeter
+from verl_longstraw.mixers import LayerCall
+from verl_longstraw.tiny import tiny_model
+
+PREFIX, TOKENS, BATCH = 96, 24, 3
+
+# (family, index of a layer whose op is of the kind)
+CASES = {
+    "Attention": ("qwen3", 0),
+    "Attention (output gate)": ("qwen3_5", 1),
+    "WindowAttention (window)": ("gpt_oss", 0),
+    "WindowAttention (sinks)": ("gpt_oss", 1),
+    "LatentAttention": ("deepseek_v3", 0),
+    "LatentAttention (DSA indexer)": ("glm_moe_dsa", 0),
+    "GatedDelta": ("qwen3_5", 0),
+    "Kda": ("kimi_linear", 0),
+    "Mamba2": ("nemotron_h", 0),
+}
+
+
+def _layer(family: str, idx: int):
+    model = tiny_model(family)
+    adapter = adapter_for(model)
+    return adapter, adapter.ops[idx]
+
+
+def _prefix_state(adapter, op, hidden: int) -> tuple[torch.Tensor, ...]:
+    """The state ``op`` returns for a ``PREFIX``-token segment, as leaves that take gradients (exact mode)."""
+    x = torch.randn(1, PREFIX, hidden)
+    empty = tuple(kind.empty(x) for kind in op.kinds)
+    with torch.no_grad():
+        _, state = op.forward(x, adapter.context(x, 0), empty, True)
+    return tuple(t.detach().requires_grad_(kind.differentiable) for t, kind in zip(state, op.kinds, strict=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("need_output", [True, False])
+def test_saves_match_meter(case, need_output):
+    family, idx = CASES[case]
+    adapter, op = _layer(family, idx)
+    hidden = adapter.config.hidden_size
+    past = _prefix_state(adapter, op, hidden)
+    batch = BATCH if need_output else 1
+    x = torch.randn(batch, TOKENS, hidden, requires_grad=True)
+    ctx = adapter.context(x, PREFIX)
+    with SavedTensorMeter(exclude=[x, *past, *adapter.model.parameters()]) as meter:
+        out, _ = op.forward(x, ctx, past, need_output)
+    rows = max((t.shape[-2] for t, kind in zip(past, op.kinds, strict=True) if kind.row_nbytes(x.dtype)), default=0)
+    call = LayerCall(batch, TOKENS, rows, rows, need_output, (TOKENS,), 0, 1, False, x.dtype, "cpu")
+    saves = op.saves(call)
+    counted = saves.own + saves.shared - saves.state_views  # the prefix state is a leaf the meter excludes
+    assert saves.gathered == 0
+    if need_output:
+        assert 0.7 <= counted / meter.peak <= 1.3, (case, counted, meter.peak)
+    else:
+        assert meter.peak <= counted, (case, counted, meter.peak)
+    assert (out is None) == (not need_output)

@@ -1,0 +1,15 @@
+"""Token mixer ops, one per kind of layer mixer (``base.MixerOp``): each owns its layer's state kinds, its forward
+in one process and on a context-parallel group, and its costs (saved bytes, transients, FLOPs) for one call of a
+plan step. An adapter declares one per layer; the memory estimate and the FLOP count sum them."""
+
+from .attention import Attention, RowAttention, WindowAttention
+from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, per_sequence
+from .gated_delta import GatedDelta
+from .kda import Kda
+from .mamba2 import Mamba2
+from .mla import LatentAttention
+
+__all__ = [
+    "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer", "RowAttention",
+    "Saves", "SegmentContext", "WindowAttention", "apply_rope", "per_sequence",
+]

@@ -1,0 +1,224 @@
+"""The interface every layer's token mixer implements (``MixerOp``), and what its forward and its costs read.
+
+A mixer op is bound to one decoder layer's module. It owns, for that layer:
+- its state: ``kinds`` (``state.kinds``: layout, gradient, bytes, empty value of each state tensor);
+- its forward against the path state, ``forward(x, ctx, past, need_output)``, in one process and on a
+  context-parallel (CP) group (``context_parallel`` says whether it has a CP form);
+- its costs for one call of a plan step (``LayerCall``): the bytes it saves for backward (``saves``), its
+  transients (``transient_bytes``, ``score_block_bytes``), its collectives under CP (``collective_bytes``) and its
+  forward FLOPs (``flops``).
+The memory estimate sums these over a plan's steps and the layers (``estimate``); nothing else decides a layer's
+kind. ``ATTENTION_SAVES`` and friends are the per-token coefficients of the projections around the ops, calibrated
+against ``memory.SavedTensorMeter`` on CPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ..parallel import comm
+from ..parallel.gated_delta import sharded_conv_input
+from ..plan import Split
+from ..state import LayerState, StateKind
+
+
+@dataclass
+class SegmentContext:
+    """What every layer of one segment shares: rotary tables of its positions, how the segment is split
+    over a context-parallel group (``split``, the plan's, and ``group``; None: one process), scratch for the
+    ops (e.g. DSA's selection, shared by the layers after an indexer layer)."""
+
+    cos: torch.Tensor  # [S, rotary_dim]: the segment's S tokens
+    sin: torch.Tensor
+    split: Split | None = None
+    group: comm.Group = None
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether this rank's tokens continue another rank's (a capture or recompute chunk under CP)."""
+        return self.split is not None and self.split.consecutive
+
+
+class LayerCall(NamedTuple):
+    """One layer's call in one step of a plan on one rank, by shape: what every op's cost reads.
+
+    ``batch`` sequences of ``tokens`` each on this rank (right-padded replays after one shared batch-1 prefix;
+    1 for a prompt chunk) after ``prefix`` state rows of this rank, read from buffers of ``state_len`` rows;
+    ``need_output``: the layer's output is used (False: the last layer of a segment that scores nothing, whose
+    state is all that is needed); ``sizes``: every rank's tokens of the call (this rank's at ``rank``), ``cp_size``
+    the ranks whose state the call reads (1: one process, or a CP round whose ranks hold no prompt rows);
+    ``consecutive``: the ranks' tokens continue one another (a prompt chunk under CP); inputs of ``dtype`` on a
+    ``device_type`` device ("cuda", "cpu")."""
+
+    batch: int
+    tokens: int
+    prefix: int
+    state_len: int
+    need_output: bool
+    sizes: tuple[int, ...]
+    rank: int
+    cp_size: int
+    consecutive: bool
+    dtype: torch.dtype
+    device_type: str
+
+    @property
+    def queries(self) -> int:
+        """Tokens of all ranks (CP pass-Q gathers them): ``sum(sizes)``."""
+        return sum(self.sizes)
+
+    @property
+    def act(self) -> int:
+        """Bytes of one element in the model dtype."""
+        return self.dtype.itemsize
+
+    @property
+    def compute(self) -> torch.dtype:
+        """The dtype of the ops' arithmetic (at least float32)."""
+        return torch.promote_types(self.dtype, torch.float32)
+
+
+class Saves(NamedTuple):
+    """Bytes one layer's mixer saves for backward in one call (``MixerOp.saves``).
+
+    ``own``: its activations and its op's saves on this rank, pass-Q's gathered tensors excluded; ``gathered``:
+    CP pass-Q's gathered queries, partial outputs and log-sum-exps (0 in one process); ``shared``: a buffer every
+    layer of the same call shape shares (the prefix-causal mask of ``ops.attention``), counted once per call size;
+    ``state_views``: of ``own + gathered``, the bytes that are views of the prompt state's own buffers (counted in
+    the state, not again)."""
+
+    own: int
+    gathered: int = 0
+    shared: int = 0
+    state_views: int = 0
+
+
+def affine_merge_bytes(call: LayerCall, backward: bool, summary_elements: int, conv_channels: int,
+                       conv_history: int) -> dict[str, int]:
+    """Collectives of a recurrent op's CP form for a prompt chunk (``call.consecutive``; none otherwise): the
+    all-gather of every rank's float32 summary of ``summary_elements`` per sequence (``parallel.gated_delta.
+    AffineMerge``) and of the last ``conv_history`` conv inputs of ``conv_channels`` (``sharded_conv_input``, model
+    dtype); the backward reduce-scatters their gradients, the tails' summed in float32."""
+    if call.cp_size == 1 or not call.consecutive:
+        return {}
+    f, b = call.compute.itemsize, call.act
+    maps = call.cp_size * summary_elements * f
+    tails = call.cp_size * min(conv_history, max(call.sizes)) * conv_channels * b
+    out = {"all_gather": maps + tails}
+    if backward:
+        out["reduce_scatter"] = maps + tails * f // b
+    return out
+
+
+def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
+    """A fixed-size state [1, ...] for ``batch`` sequences: itself for one, else a contiguous copy [batch, ...]
+    (small: e.g. a Gated DeltaNet recurrent state; kernels such as flash-linear-attention's read it densely)."""
+    return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
+
+
+def conv_input(ctx: SegmentContext, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
+    last K-1 inputs after it (the next conv state, owning its storage). ``conv_state`` [B, C, K-1]. Under CP with
+    a split sequence the inputs before come from the previous ranks (``parallel.gated_delta.sharded_conv_input``)."""
+    if ctx.splits_sequence:
+        return sharded_conv_input(x, conv_state, ctx.group, ctx.split.query_sizes)
+    conv_in = torch.cat([conv_state, x], dim=-1)
+    return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` [..., S, D] (partial rotary passes the rest).
+
+    ``cos``/``sin`` [S, rotary_dim] come from the model's rotary module (split-half layout).
+    ``interleaved`` first de-interleaves pairs (DeepSeek-V3 ``rope_interleave``).
+    """
+    rot_dim = cos.shape[-1]
+    if not rot_dim:  # no positional embedding (nemotron_h attention)
+        return x
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    if interleaved:
+        rot = rot.unflatten(-1, (rot_dim // 2, 2)).transpose(-1, -2).flatten(-2)
+    rot = rot * cos + rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+
+
+class MixerOp(ABC):
+    """One decoder layer's token mixer, bound to its module: state, forward, CP form and costs (module docstring).
+
+    ``kind`` names the op for reports and benchmarks; nothing branches on it."""
+
+    kind: str = ""
+    context_parallel: bool = True  # whether ``forward`` has a CP form (``Adapter.check_context_parallel`` asks)
+
+    @property
+    @abstractmethod
+    def kinds(self) -> tuple[StateKind, ...]:
+        """Kind of each of the layer's state tensors."""
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, ctx: SegmentContext, past: LayerState,
+                need_output: bool) -> tuple[torch.Tensor | None, LayerState]:
+        """Normalised input ``x`` [B, S, hidden] -> (output [B, S, hidden], the segment's state).
+
+        B is 1, or B > 1 right-padded responses replayed together after one batch-1 ``past`` (whose ``Rows``
+        tensors are broadcast, never copied per response). Without ``need_output`` only the state is needed (the
+        output may be None): attention then skips attending."""
+
+    @abstractmethod
+    def saves(self, call: LayerCall) -> Saves:
+        """Bytes the forward of ``call`` saves for backward (pinned against ``memory.SavedTensorMeter`` by the
+        op's test)."""
+
+    def transient_bytes(self, call: LayerCall) -> int:
+        """The largest transient of the call's backward that the saves do not hold (a fused backward's buffers);
+        0 where none is counted."""
+        return 0
+
+    def score_block_bytes(self, call: LayerCall) -> int:
+        """The transient of scoring one block of keys that the call's forward and backward hold at once (a blocked
+        pass-Q under CP); 0 where none is counted."""
+        return 0
+
+    def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
+        """Bytes of the collectives the call's forward (and with ``backward`` its backward) issues on a CP group,
+        by kind ("all_gather", "reduce_scatter"): a collective's per-rank buffer (an all-gather's output, a
+        reduce-scatter's input; variable sizes padded to the largest rank's). Empty in one process."""
+        return {}
+
+    @abstractmethod
+    def flops(self, tokens: int, prefix: int) -> float:
+        """Forward FLOPs of one sequence of ``tokens`` at positions [prefix, prefix + tokens) through the op's
+        sequence mixing (the projections are counted as weights, ``flops.active_params``)."""
+
+    def row_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes per token of the differentiable ``Rows``-like state tensors (what attention reads and saves)."""
+        return sum(kind.row_nbytes(dtype) for kind in self.kinds if kind.differentiable)
+
+
+class NoMixer(MixerOp):
+    """A block without a token mixer (an MLP or MoE block alone: nemotron_h): no state, nothing mixed."""
+
+    kind = "none"
+
+    @property
+    def kinds(self) -> tuple[StateKind, ...]:
+        return ()
+
+    def forward(self, x, ctx, past, need_output):
+        return None, ()
+
+    def saves(self, call: LayerCall) -> Saves:
+        return Saves(0)
+
+    def flops(self, tokens: int, prefix: int) -> float:
+        return 0.0

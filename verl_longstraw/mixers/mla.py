@@ -1,0 +1,166 @@
+"""Multi-head latent attention (deepseek_v3, glm_moe_dsa with DSA's sparse indexer, kimi_linear's full layers).
+
+State: the normalised KV latent and the rotated rope key, one tensor [1, S, kv_lora_rank + rope_dim] (never the
+decompressed per-head K/V); for DSA layers that run their own indexer also the indexer keys [1, S, index_head_dim]
+(selection only: no gradient flows through them, as in the model).
+
+Attention runs in absorbed form: query heads are projected into latent space through the key half of ``kv_b_proj``,
+attend to the latent (one shared key/value head), and the result leaves latent space through the value half: the
+call shape and costs of ``mixers.attention.RowAttention``. ``LatentAttention.absorbed = False`` decompresses K/V per
+head instead (the reference the tests compare against).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from ..lora import linear_weights
+from ..ops.attention import prefix_causal_attention_reference
+from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
+from ..state import LayerState, Rows
+from .attention import RowAttention, attend
+from .base import SegmentContext, apply_rope
+
+LATENT_SAVES = 2.0  # queries, absorbed queries, latent projections and outputs, per token in units of their widths
+STATE_ONLY_SAVES = 2.5  # without the output: the latent norm's input, output and statistics and the rotary tables, per
+# token in units of the latent row
+
+
+def rope_is_interleaved(config, module: nn.Module) -> bool:
+    """Whether ``module`` rotates interleaved pairs: ``config.rope_interleave`` where the model reads it
+    (deepseek_v3), else what the installed transformers release's forward calls (glm_moe_dsa changed
+    from split-half to interleaved between releases)."""
+    flag = getattr(config, "rope_interleave", None)
+    if isinstance(flag, bool):
+        return flag
+    return "apply_rotary_pos_emb_interleave" in inspect.unwrap(type(module).forward).__code__.co_names
+
+
+def _indexer_keys(indexer: nn.Module, x: torch.Tensor, ctx: SegmentContext, interleaved: bool) -> torch.Tensor:
+    """DSA indexer keys [B, S, index_head_dim] (rope part first) of ``x`` [B, S, hidden]."""
+    k = indexer.k_norm(indexer.wk(x))
+    k_rope, k_pass = torch.split(k, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    return torch.cat([apply_rope(k_rope, ctx.cos, ctx.sin, interleaved), k_pass], dim=-1)
+
+
+def _sparse_selection(
+    indexer: nn.Module, x, q_resid, past_keys, keys, ctx: SegmentContext, interleaved: bool
+) -> torch.Tensor | None:
+    """Bool key mask of each query's top-k keys by indexer score (DSA), causal, or None where top-k keeps every
+    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``), [B, S, P + S]
+    for B > 1 sequences of ``x`` after one prefix (each selected alone, as one sequence would be); ``past_keys``
+    [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment.
+    Whether top-k keeps every key is asked first, before the query projection and the float32 copy of the prefix
+    keys (at P = 1M about 0.5 GB per layer call)."""
+    if keeps_every_key(past_keys.shape[1], x.shape[1], indexer.index_topk, ctx.split):
+        return None
+    q = indexer.wq_b(q_resid).unflatten(-1, (indexer.n_heads, indexer.head_dim))  # [B, S, H, D]
+    q_rope, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    q_rope = apply_rope(q_rope.transpose(1, 2), ctx.cos, ctx.sin, interleaved).transpose(1, 2)
+    q = torch.cat([q_rope, q_pass], dim=-1).float()
+    weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5  # [B, S, H]
+    prefix = past_keys[0].float()
+    masks = [
+        sharded_dsa_topk_mask(q[b], weights[b], prefix, keys[b].float(), indexer.softmax_scale, indexer.index_topk,
+                              ctx.split, ctx.group)
+        for b in range(len(x))
+    ]
+    return masks[0] if len(masks) == 1 or masks[0] is None else torch.stack(masks)
+
+
+class LatentAttention(RowAttention):
+    """MLA of a transformers DeepSeek-V3-style attention module (``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` /
+    ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), in ``config``'s rope
+    layout. ``sparse``: the model selects keys with DSA's indexer (``config.index_topk``); ``runs_indexer``: this
+    layer runs its own indexer (else it reuses the selection of the last layer that did, from ``ctx.scratch``).
+    Call shape: every head's latent-space query over one key head of the latent plus rope dims, values the latent."""
+
+    kind = "mla"
+    absorbed = True
+    state_only_saves = STATE_ONLY_SAVES
+
+    def __init__(self, module: nn.Module, config, sparse: bool, runs_indexer: bool):
+        self.module, self.sparse, self.runs_indexer = module, sparse, runs_indexer
+        self.interleaved = rope_is_interleaved(config, module)
+        self.indexer_interleaved = rope_is_interleaved(config, module.indexer) if runs_indexer else False
+        rank, rope = module.kv_lora_rank, module.qk_rope_head_dim
+        self.q_heads, self.kv_heads, self.qk_dim, self.v_dim = module.num_heads, 1, rank + rope, rank
+
+    @property
+    def kinds(self) -> tuple[Rows, ...]:
+        latent = Rows(shape=(1, 1, self.qk_dim))
+        if not self.runs_indexer:
+            return (latent,)
+        return latent, Rows(shape=(1, 1, self.module.indexer.head_dim), differentiable=False)
+
+    def token_bytes(self, act: int) -> float:
+        m = self.module
+        per_head = self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        return act * LATENT_SAVES * (self.q_heads * self.qk_dim + per_head + (m.q_lora_rank or 0) + m.kv_lora_rank)
+
+    def _dsa_mask(self, x, q_resid, ctx: SegmentContext, past: LayerState):
+        """(extra indexer-key state, bool key mask or None) of a DSA layer (``_sparse_selection``)."""
+        if not self.sparse:
+            return (), None
+        if not self.runs_indexer:  # shared layer: reuse the previous indexer layer's selection
+            return (), ctx.scratch.get("dsa_mask")
+        indexer = self.module.indexer
+        with torch.no_grad():  # selection only: the model's indexer gets no gradient either
+            keys = _indexer_keys(indexer, x, ctx, self.indexer_interleaved)
+            mask = _sparse_selection(indexer, x, q_resid, past[1], keys, ctx, self.indexer_interleaved)
+        ctx.scratch["dsa_mask"] = mask
+        return (keys,), mask
+
+    def forward(self, x, ctx, past, need_output):
+        """Without ``need_output`` only the latent rows (and a DSA layer's indexer keys) are computed: no queries
+        (the indexer's query input without autograd)."""
+        attn = self.module
+        heads, nope, rope_dim, rank = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+        latent, k_rope = torch.split(attn.kv_a_proj_with_mqa(x), [rank, rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.interleaved)
+        segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [B, S, rank + rope]
+        q_resid = None
+        if attn.q_lora_rank is not None and (need_output or self.runs_indexer):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and need_output):
+                q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        extra_state, mask = self._dsa_mask(x, q_resid, ctx, past)
+        if not need_output:
+            return None, (segment, *extra_state)
+        q = attn.q_proj(x) if q_resid is None else attn.q_b_proj(q_resid)
+        q = q.unflatten(-1, (heads, attn.qk_head_dim)).transpose(1, 2)  # [B, H, S, nope + rope]
+        q_nope, q_rope = torch.split(q, [nope, rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, self.interleaved)
+
+        w_kv = linear_weights(attn.kv_b_proj)[0].view(heads, nope + attn.v_head_dim, rank)  # LoRA's delta too
+        w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
+        if self.absorbed:
+            query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
+            prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, P, .], [B, 1, S, .]
+            out = attend(ctx, query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask)
+            out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
+        else:  # the reference, one sequence at a time
+            masks = mask if mask is not None and mask.dim() == 3 else [mask] * len(x)
+            out = torch.cat([
+                self._decompressed_attention(q_nope[b : b + 1], q_rope[b : b + 1],
+                                             torch.cat([past[0], segment[b : b + 1]], dim=1), masks[b], w_k, w_v)
+                for b in range(len(x))
+            ])
+        out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+        return attn.o_proj(out), (segment, *extra_state)
+
+    def _decompressed_attention(self, q_nope, q_rope, state, mask, w_k, w_v) -> torch.Tensor:
+        """Reference: per-head K/V decompressed from the latent of every key [1, P + S, rank + rope]."""
+        attn = self.module
+        latent, k_rope = state[..., : attn.kv_lora_rank], state[..., attn.kv_lora_rank :]
+        k_nope = torch.einsum("btr,hnr->bhtn", latent, w_k)
+        v = torch.einsum("btr,hvr->bhtv", latent, w_v)
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        query = torch.cat([q_nope, q_rope], dim=-1)
+        prefix_len = k.shape[2] - query.shape[2]
+        return prefix_causal_attention_reference(
+            query, k[:, :, :prefix_len], v[:, :, :prefix_len], k[:, :, prefix_len:], v[:, :, prefix_len:],
+            attn.scaling, key_mask=mask,
+        )
