@@ -23,11 +23,12 @@ from torch import nn
 
 from .adapters import Adapter, adapter_for
 from .errors import UnsupportedModelError
-from .estimate import check_budget, estimate_plan
+from .estimate import estimate_plan
 from .execute import GroupResult, GroupStats, LossFn, Sequences, capture, walk
 from .knobs import Knobs
 from .parallel import comm
 from .plan import Plan, star_plan, star_source, tree_plan, tree_source
+from .preflight import check_budget
 from .state import PathState
 
 

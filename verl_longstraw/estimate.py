@@ -43,7 +43,7 @@ layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``trans
 of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norms and
 MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
 ``SavedTensorMeter`` on CPU, the least certain term; it does not grow with P), the state kinds' bytes, the scoring's
-chunks and the MoE exchange. ``adapters.adapter_on_meta`` gives the ops of a config alone. ``check_budget`` turns the
+chunks and the MoE exchange. ``adapters.adapter_on_meta`` gives the ops of a config alone. ``preflight`` turns the
 estimate into an early, actionable error.
 """
 
@@ -462,51 +462,6 @@ def estimate_plan(
                                                                  state_grad_on_host, checkpointed, device_type,
                                                                  expert_parallel)
     return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)
-
-
-def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
-    """Raise MemoryError when one rank's device bytes ``estimate.total_bytes`` exceed ``budget_bytes``, naming
-    the knobs that shrink them: what each saves and whether that alone fits."""
-    e = estimate
-    if e.total_bytes <= budget_bytes:
-        return
-
-    def gib(n: int) -> str:
-        return f"{n / GIB:.3g} GiB"
-
-    def saving(total_without: int) -> str:
-        verdict = "fits" if total_without <= budget_bytes else "not enough alone"
-        return f"-{gib(e.total_bytes - total_without)}, {verdict}"
-
-    knobs = []
-    if e.device_state_grad_bytes:
-        knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes + e.staging_bytes)}: "
-                     "the float32 state-gradient sums in host memory)")
-    if e.state_grad_bytes:
-        knobs.append(f"prompt_grad='detached' ({saving(e.detached_total_bytes)}; biased: drops the gradient through "
-                     "the prompt)")
-    if e.replay_saved_bytes > e.prompt_backward_saved_bytes and e.replay_batch > 1:
-        knobs.append(f"replay_tokens smaller (now {e.replay_batch} responses replay together and their replay, "
-                     f"{gib(e.replay_saved_bytes)} saved for backward, is the peak; its share shrinks about in "
-                     "proportion)")
-    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.cp_size > 1:
-        smaller = max(e.cp_size, e.chunk_tokens // 4)
-        knobs.append(f"chunk_size={smaller} (the longest captured chunk now has {e.chunk_tokens} tokens; the prompt "
-                     f"backward saves {gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens "
-                     "by blocks)")
-    knobs.append(f"context-parallel size R={2 * e.cp_size} (a cp_group of {2 * e.cp_size} ranks, now {e.cp_size}: "
-                 "each rank holds 1/R of the prompt's token rows and of their gradients)")
-    raise MemoryError(
-        f"estimated {gib(e.total_bytes)} > budget {gib(budget_bytes)} per rank (R={e.cp_size}): prompt state "
-        f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
-        f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
-        f"one layer's backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
-        f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward, MoE "
-        f"all-to-all) "
-        f"{gib(e.transient_bytes)}. To fit: "
-        + "; ".join(knobs) + "; or shorten the prompt"
-    )
-
 
 
 def _largest_pair(units: Sequence[int]) -> int:

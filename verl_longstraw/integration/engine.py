@@ -41,7 +41,7 @@ average it with the rest.
 
 Before the first capture of a step, a pre-flight check compares the estimate of the step's largest
 unit (`verl_longstraw.estimate.estimate_plan` of its plan) with `longstraw.memory_budget_gb` or the device's free
-memory.
+memory (`verl_longstraw.preflight.choose_units`).
 """
 
 import copy
@@ -68,7 +68,6 @@ from verl_longstraw.estimate import (
     GIB,
     MemoryEstimate,
     ParameterCounts,
-    check_budget,
     count_units,
     estimate_plan,
     expert_shard_bytes,
@@ -78,6 +77,7 @@ from verl_longstraw.flops import mfu
 from verl_longstraw.parallel import comm, experts
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.plan import Plan, star_plan, tree_plan
+from verl_longstraw.preflight import Budget, choose_units
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
 from .losses import splits_by_response
@@ -311,15 +311,11 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         return getattr(self, "_autocast_dtype", torch.bfloat16)
 
     def _preflight(self, candidates: list[Callable[[], list[Tree]]], forward_only: bool) -> tuple[list[Tree], int]:
-        """The units this rank walks, and its step's estimated device bytes: the largest unit's (`estimate_plan` of
-        the unit's plan, crediting veRL's gradient checkpointing when it is on) plus the parameters and gradients it
-        holds unsharded (`estimate.unsharded_bytes`).
-
-        ``candidates`` (``_walk_units``: each makes its units) are tried in order, a later one made only when the
-        ones before it do not fit. Without `longstraw.preflight` the first is walked; with it, the first whose
-        estimate fits `memory_budget_gb` (or the device's free memory) on every rank, and
-        MemoryError naming the knobs when not even the last fits. Runs before any capture; every rank learns every
-        rank's verdict, so all choose the same units (a CP group walks in lockstep) and all raise together."""
+        """The units this rank walks, and its step's estimated device bytes (``preflight.choose_units``): the
+        largest unit's estimate (`estimate_plan` of the unit's plan, crediting veRL's gradient checkpointing when
+        it is on) plus the parameters and gradients it holds unsharded (`estimate.unsharded_bytes`), against
+        `longstraw.memory_budget_gb` or the device's free memory (no check without `longstraw.preflight`).
+        ``candidates``: ``_walk_units``'s."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
         expert_parallel = self.longstraw.expert_parallel
         params, grads = unsharded_bytes(self._unit_counts, self.cp_size, self._compute_dtype(), reduce_dtype,
@@ -327,46 +323,15 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         model_bytes = params + grads
         if expert_parallel and not forward_only:  # the expert shards' gradients (the shards are resident)
             model_bytes += expert_shard_bytes(self._unit_counts, self.cp_size, self._expert_dtype).gradients
+        budget = None
+        if self.longstraw.preflight:
+            budget_gb = self.longstraw.memory_budget_gb
+            budget = (Budget(int(budget_gb * GIB), "longstraw.memory_budget_gb") if budget_gb is not None
+                      else Budget(_free_device_bytes(), "free device memory"))
         adapter = adapter_for(self.module)
-        for attempt, candidate in enumerate(candidates):
-            units = candidate()
-            estimates = [(unit, self._estimate(adapter, unit, forward_only)) for unit in units]
-            unit, estimate = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
-            total = model_bytes + (estimate.total_bytes if estimate is not None else 0)
-            if not self.longstraw.preflight:
-                return units, total
-            message = None if estimate is None else self._over_budget(unit, estimate, model_bytes)
-            verdicts: list[Optional[str]] = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, message)
-            if all(verdict is None for verdict in verdicts):
-                return units, total
-            if attempt + 1 < len(candidates):
-                continue
-            if message is not None:
-                raise MemoryError(message)
-            rank = next(rank for rank, theirs in enumerate(verdicts) if theirs is not None)
-            raise MemoryError(f"rank {rank} failed the pre-flight check: {verdicts[rank]}")
-        raise ValueError("no units to walk: _walk_units returned no candidate")
-
-    def _over_budget(self, unit: Tree, estimate: MemoryEstimate, model_bytes: int) -> Optional[str]:
-        """Why ``unit``'s walk does not fit (``estimate`` plus ``model_bytes`` against `longstraw.memory_budget_gb`
-        or the device's free memory), naming the knobs; None when it fits."""
-        budget_gb = self.longstraw.memory_budget_gb
-        budget = int(budget_gb * GIB) if budget_gb is not None else _free_device_bytes()
-        try:
-            check_budget(estimate, budget - model_bytes)
-        except MemoryError as exc:
-            source = "longstraw.memory_budget_gb" if budget_gb is not None else "free device memory"
-            held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for the walk at R = 1)"
-            return (
-                f"LongStraw pre-flight check, before any capture: {_describe(unit)} does not fit the budget "
-                f"({source}: {budget / GIB:.3g} GiB, of which "
-                f"{model_bytes / GIB:.3g} GiB go to unsharded parameters and gradients of {held}). {exc}. "
-                "The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
-                "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
-                "longstraw.preflight=false skips this check."
-            )
-        return None
+        held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for the walk at R = 1)"
+        return choose_units(candidates, lambda unit: self._estimate(adapter, unit, forward_only), model_bytes, budget,
+                            _describe, held, PREFLIGHT_KNOBS)
 
     def _estimate(self, adapter: Adapter, unit: Tree, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
@@ -629,6 +594,11 @@ def _stats_metrics(stats: GroupStats, collectives: list[tuple[str, int, int, str
         "longstraw/model_flops": Metric(AggregationType.SUM, stats.model_flops),
         "longstraw/peak_memory_gb": Metric(AggregationType.MAX, get_torch_device().max_memory_allocated() / 2**30),
     }
+
+
+PREFLIGHT_KNOBS = ("The knobs are actor_rollout_ref.actor.longstraw.{chunk_size, response_chunk_size, "
+                   "context_parallel_size, state_grad_on_host, prompt_grad, replay_tokens, memory_budget_gb}; "
+                   "longstraw.preflight=false skips this check.")
 
 
 def _describe(unit: Tree) -> str:

@@ -1,0 +1,121 @@
+"""The pre-flight check, before any capture: whether one rank's walk fits its device budget, read off the memory
+estimate of each unit's plan (``estimate.estimate_plan``) and the bytes the model holds besides.
+
+``check_budget`` turns one estimate into an actionable MemoryError naming the knobs that shrink it; ``choose_units``
+picks, of candidate ways to split a step into units (prefix trees, each walked as one plan), the first whose largest
+unit fits on every rank of the process group, so every rank walks the same units and all raise together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import torch.distributed as dist
+
+from .estimate import GIB, MemoryEstimate
+
+Unit = TypeVar("Unit")
+
+
+class Budget(NamedTuple):
+    """Device bytes a step may take on one rank, and where the figure comes from (named in the error)."""
+
+    nbytes: int
+    source: str
+
+
+def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
+    """Raise MemoryError when one rank's device bytes ``estimate.total_bytes`` exceed ``budget_bytes``, naming
+    the knobs that shrink them: what each saves and whether that alone fits."""
+    e = estimate
+    if e.total_bytes <= budget_bytes:
+        return
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.3g} GiB"
+
+    def saving(total_without: int) -> str:
+        verdict = "fits" if total_without <= budget_bytes else "not enough alone"
+        return f"-{gib(e.total_bytes - total_without)}, {verdict}"
+
+    knobs = []
+    if e.device_state_grad_bytes:
+        knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes + e.staging_bytes)}: "
+                     "the float32 state-gradient sums in host memory)")
+    if e.state_grad_bytes:
+        knobs.append(f"prompt_grad='detached' ({saving(e.detached_total_bytes)}; biased: drops the gradient through "
+                     "the prompt)")
+    if e.replay_saved_bytes > e.prompt_backward_saved_bytes and e.replay_batch > 1:
+        knobs.append(f"replay_tokens smaller (now {e.replay_batch} responses replay together and their replay, "
+                     f"{gib(e.replay_saved_bytes)} saved for backward, is the peak; its share shrinks about in "
+                     "proportion)")
+    if e.prompt_backward_saved_bytes >= e.replay_saved_bytes or e.cp_size > 1:
+        smaller = max(e.cp_size, e.chunk_tokens // 4)
+        knobs.append(f"chunk_size={smaller} (the longest captured chunk now has {e.chunk_tokens} tokens; the prompt "
+                     f"backward saves {gib(e.prompt_backward_saved_bytes)} for one chunk, pass-Q scores its tokens "
+                     "by blocks)")
+    knobs.append(f"context-parallel size R={2 * e.cp_size} (a cp_group of {2 * e.cp_size} ranks, now {e.cp_size}: "
+                 "each rank holds 1/R of the prompt's token rows and of their gradients)")
+    raise MemoryError(
+        f"estimated {gib(e.total_bytes)} > budget {gib(budget_bytes)} per rank (R={e.cp_size}): prompt state "
+        f"{gib(e.state_bytes)} (of which chunk-boundary copies {gib(e.boundary_bytes)}), state-gradient sums "
+        f"{gib(e.device_state_grad_bytes)} on the device and {gib(e.host_bytes)} on the host, state gradients of "
+        f"one layer's backward {gib(e.state_leaf_grad_bytes)}, saved for backward {gib(e.saved_peak_bytes)} (of which "
+        f"pass-Q {gib(e.pass_q_bytes)}), largest transient (score block, scoring chunk, attention backward, MoE "
+        f"all-to-all) "
+        f"{gib(e.transient_bytes)}. To fit: "
+        + "; ".join(knobs) + "; or shorten the prompt"
+    )
+
+
+
+def over_budget(estimate: MemoryEstimate, model_bytes: int, budget: Budget, what: str, held: str,
+                knobs_hint: str) -> str | None:
+    """Why the walk of ``estimate`` does not fit ``budget`` beside ``model_bytes`` (the unsharded parameters and
+    gradients of ``held``), naming ``what`` is walked, the knobs (``check_budget``) and ``knobs_hint`` (where the
+    caller's knobs are set); None when it fits."""
+    try:
+        check_budget(estimate, budget.nbytes - model_bytes)
+    except MemoryError as exc:
+        return (
+            f"LongStraw pre-flight check, before any capture: {what} does not fit the budget ({budget.source}: "
+            f"{budget.nbytes / GIB:.3g} GiB, of which {model_bytes / GIB:.3g} GiB go to unsharded parameters and "
+            f"gradients of {held}). {exc}. {knobs_hint}"
+        )
+    return None
+
+
+def choose_units(candidates: Sequence[Callable[[], Sequence[Unit]]], estimate: Callable[[Unit], MemoryEstimate],
+                 model_bytes: int, budget: Budget | None, describe: Callable[[Unit], str], held: str,
+                 knobs_hint: str) -> tuple[list[Unit], int]:
+    """The units this rank walks and the step's estimated device bytes (the largest unit's ``estimate`` plus
+    ``model_bytes``). ``candidates`` are tried in order, a later one made only when the ones before it do not fit
+    on some rank. ``budget`` None: no check, the first is walked. Else every rank of the default process group
+    (when one is initialised) learns every rank's verdict, and when not even the last candidate fits each raises
+    MemoryError with its own reason or the first failing rank's (``over_budget``)."""
+    if not candidates:
+        raise ValueError("choose_units needs at least one candidate way to split the step")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for attempt, candidate in enumerate(candidates):
+        units = list(candidate())
+        estimates = [(unit, estimate(unit)) for unit in units]
+        unit, largest = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
+        total = model_bytes + (largest.total_bytes if largest is not None else 0)
+        if budget is None:
+            return units, total
+        message = None if largest is None else over_budget(largest, model_bytes, budget, describe(unit), held,
+                                                           knobs_hint)
+        verdicts: list[str | None] = [message]
+        if world > 1:
+            verdicts = [None] * world
+            dist.all_gather_object(verdicts, message)
+        if all(verdict is None for verdict in verdicts):
+            return units, total
+        if attempt + 1 < len(candidates):
+            continue
+        if message is not None:
+            raise MemoryError(message)
+        rank = next(rank for rank, theirs in enumerate(verdicts) if theirs is not None)
+        raise MemoryError(f"rank {rank} failed the pre-flight check: {verdicts[rank]}")
+    raise AssertionError("unreachable: the last candidate returns or raises")
