@@ -49,6 +49,7 @@ def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
     # peft refuses out_proj and conv1d of Mamba mixers by name, so "all-linear" cannot build a nemotron_h model
     ("nemotron_h", ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
     ("granitemoehybrid", "all-linear"),
+    ("bamba", "all-linear"),
     ("deepseek_v32", "all-linear"),  # its indexer's adapters get no gradient on either path (top-k is discrete)
 ])
 @pytest.mark.parametrize("chunk_size", [None, 32])

@@ -85,6 +85,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
         embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
     )),
+    # Mamba2 : attention = 2 : 1, partial RoPE (Bamba)
+    "bamba": ("BambaConfig", dict(
+        **COMMON, num_hidden_layers=3, attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_expand=1,
+    )),
     # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
     "gpt_oss": ("GptOssConfig", dict(
         **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -122,10 +128,10 @@ def _base_config(family: str) -> transformers.PretrainedConfig:
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
-# Nemotron-H's and Granite 4.0's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full attention
-# with sinks
+# Nemotron-H's, Granite 4.0's and Bamba's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full
+# attention with sinks
 VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "granitemoehybrid", "kimi_linear",
-            "gpt_oss")
+            "gpt_oss", "bamba")
 
 
 @functools.cache
