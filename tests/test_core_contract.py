@@ -345,3 +345,14 @@ def test_every_family_builds_on_recent_transformers():
         assert not missing
     else:
         assert set(missing) <= {"kimi_linear", "deepseek_v32", "nemotron_h"}, missing
+
+def test_every_adapter_has_a_tiny_family_the_tests_run():
+    """``tiny.TINY_CONFIGS`` is exactly the families the tests enumerate, and each registered adapter class serves
+    at least one of them, so a new family cannot land without the family-parametrized tests running it."""
+    from verl_longstraw.adapters.base import _REGISTRY
+    from verl_longstraw.tiny import FAMILIES, TINY_CONFIGS, VARIANTS
+
+    enumerated = (*FAMILIES, *DENSE_VARIANTS, *VARIANTS)
+    assert sorted(enumerated) == sorted(TINY_CONFIGS)
+    served = {cls for model_type, cls in _REGISTRY.items() if model_type in TINY_CONFIGS}
+    assert served == set(_REGISTRY.values())
