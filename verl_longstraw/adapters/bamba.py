@@ -7,8 +7,6 @@ Mixers: ``mixers.Mamba2`` (Bamba's gated norm gates first, then normalises the w
 
 from __future__ import annotations
 
-import torch
-
 from ..mixers import Attention, Mamba2, MixerOp
 from .base import Adapter, register
 
@@ -18,19 +16,8 @@ class BambaAdapter(Adapter):
     model_types = ("bamba",)
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention")
+    post_norm, mlp, final_norm = "pre_ff_layernorm", "feed_forward", "final_layernorm"
 
     def op(self, idx: int) -> MixerOp:
         layer = self.layers[idx]
         return Mamba2(layer.mamba) if self.config.layer_types[idx] == "linear_attention" else Attention(layer.self_attn)
-
-    def layer(self, idx, h, ctx, past, need_output):
-        """``h + mixer(input_layernorm(h))``, then ``h + feed_forward(pre_ff_layernorm(h))``."""
-        layer = self.layers[idx]
-        mixed, state = self.ops[idx].forward(layer.input_layernorm(h), ctx, past, need_output)
-        if not need_output:
-            return (None, *state)
-        h = h + mixed
-        return (h + layer.feed_forward(layer.pre_ff_layernorm(h)), *state)
-
-    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        return self.backbone.final_layernorm(h).flatten(0, 1)

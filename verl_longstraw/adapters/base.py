@@ -75,6 +75,8 @@ class Adapter(ABC):
     # and parameter names under the base model (``*`` for a layer number) to transformers' styles, the experts
     # module's ``ep_dispatch_experts`` and its 3-D weights' ``grouped_gemm`` (experts on dim 0); None: none needed
     expert_plan: dict[str, str] | None = None
+    # the names of a decoder layer's submodules that ``layer`` calls, and of the backbone's final norm
+    input_norm, post_norm, mlp, final_norm = "input_layernorm", "post_attention_layernorm", "mlp", "norm"
 
     def __init__(self, model: nn.Module):
         self.model = model  # the module called (FSDP2's root hooks; a peft model's wrapper)
@@ -176,13 +178,14 @@ class Adapter(ABC):
         self, idx: int, h: torch.Tensor, ctx: SegmentContext, past: LayerState, need_output: bool
     ) -> tuple[torch.Tensor | None, ...]:
         """One decoder layer: (hidden [B, S, hidden], *segment_state); hidden is None without ``need_output``.
-        A flat tuple of tensors, so module hooks (FSDP2's) see every output."""
+        A flat tuple of tensors, so module hooks (FSDP2's) see every output. The pre-norm layer of the class
+        attributes ``input_norm``, ``post_norm`` and ``mlp``."""
         layer = self.layers[idx]
-        mixed, state = self.ops[idx].forward(layer.input_layernorm(h), ctx, past, need_output)
+        mixed, state = self.ops[idx].forward(getattr(layer, self.input_norm)(h), ctx, past, need_output)
         if not need_output:
             return (None, *state)
         h = h + mixed
-        out = layer.mlp(layer.post_attention_layernorm(h))
+        out = getattr(layer, self.mlp)(getattr(layer, self.post_norm)(h))
         if isinstance(out, tuple):  # MoE blocks of some releases also return router logits
             out = out[0]
         return (h + out, *state)
@@ -190,7 +193,7 @@ class Adapter(ABC):
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [B, S, hidden] -> the final norm's output [B * S, hidden] (the sequences' rows in turn), what the
         LM head (``model.lm_head``, a Linear) reads."""
-        return self.backbone.norm(h).flatten(0, 1)
+        return getattr(self.backbone, self.final_norm)(h).flatten(0, 1)
 
 
 _REGISTRY: dict[str, type[Adapter]] = {}

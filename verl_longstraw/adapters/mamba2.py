@@ -22,6 +22,7 @@ class NemotronHAdapter(Adapter):
                    "layers.*.mixer.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention", *_MLP_BLOCKS)
+    final_norm = "norm_f"
 
     def _block(self, idx: int) -> str:
         return self.config.layer_types[idx]
@@ -54,6 +55,3 @@ class NemotronHAdapter(Adapter):
             return (h + block.mixer(x),) if need_output else (None,)
         mixed, state = self.ops[idx].forward(x, ctx, past, need_output)
         return (h + mixed if need_output else None, *state)
-
-    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        return self.backbone.norm_f(h).flatten(0, 1)
