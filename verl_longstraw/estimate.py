@@ -60,7 +60,7 @@ from .adapters import Adapter, adapter_on_meta, model_on_meta
 from .errors import UnsupportedModelError
 from .knobs import REPLAY_TOKENS, Knobs
 from .lora import base_model
-from .mixers import LayerCall, Saves
+from .mixers import LayerCall, Saves, layer_needs_output
 from .parallel import experts as parallel_experts
 from .plan import Plan, star_plan
 from .score import SCORE_CHUNK_BYTES
@@ -189,9 +189,10 @@ class _Layers:
         """Each layer's ``LayerCall`` of one step: ``batch`` sequences of ``tokens`` on this rank after ``prefix``
         rows (``LayerCall`` says the rest); ``last_layer_stops``: the step scores nothing, so the last layer's
         output is not needed."""
-        last = len(self.ops) - 1
-        return [LayerCall(batch, tokens, prefix, state_len, not (last_layer_stops and idx == last), tuple(sizes),
-                          rank, cp_size, consecutive, self.dtype, self.device_type) for idx in range(len(self.ops))]
+        layers = len(self.ops)
+        return [LayerCall(batch, tokens, prefix, state_len, layer_needs_output(idx, layers, not last_layer_stops),
+                          tuple(sizes), rank, cp_size, consecutive, self.dtype, self.device_type)
+                for idx in range(layers)]
 
     def layer_saves(self, idx: int, call: LayerCall) -> Saves:
         """Layer ``idx``'s saves of ``call``: its op's and the norms' and MLP's around it. A layer without state
@@ -241,9 +242,10 @@ class _Layers:
         counted: the token mixer's own intermediates (in the dense attention layers measured the MLP half holds
         more) and MoE routing buffers."""
         rotary = 2 * self.rotary_dim * tokens * self.act
-        layers = len(self.ops) - 1 if last_layer_stops else len(self.ops)
         largest = 0
-        for idx in range(layers):
+        for idx in range(len(self.ops)):
+            if not layer_needs_output(idx, len(self.ops), not last_layer_stops):
+                continue
             m = self.mlp_widths[idx]
             live = tokens * self.act * (4 * self.hidden + max(3 * m, m + self.hidden))
             largest = max(largest, sum(state_rows[: idx + 1]) + live)
@@ -401,9 +403,8 @@ def estimate_plan(
             batch = max(len(leaves), 1)
             prefix = plan.rank_rows_after(step.parent)[rank]
             split = step.split
-            sharded = split is not None and any(split.prefix_sizes)  # else one process or a round without rows
             calls = layers.calls(batch, tokens, prefix, rows, False, split.query_sizes if split else (tokens,),
-                                 rank if split else 0, plan.world if sharded else 1, False)
+                                 rank if split else 0, plan.world if step.sharded else 1, False)
             saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes)
             if saved > replay:
                 replay, replay_pass_q = saved, pass_q

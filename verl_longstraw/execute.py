@@ -32,6 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 from .adapters import Adapter
 from .adapters.base import call_as
 from .flops import BACKWARD, model_cost
+from .mixers import layer_needs_output
 from .parallel import comm
 from .plan import Plan, Split, Step
 from .score import Scoring, score
@@ -128,7 +129,7 @@ def run_segment(
         layer_past = past or [tuple(kind.empty(h) for kind in kinds) for kinds in adapter.specs()]
         states = []
         for idx, layer in enumerate(adapter.layers):
-            need_output = scoring is not None or idx < adapter.num_layers - 1
+            need_output = layer_needs_output(idx, adapter.num_layers, scoring is not None)
 
             def layer_forward(h, idx=idx, need_output=need_output):
                 return adapter.layer(idx, h, ctx, layer_past[idx], need_output)
@@ -336,11 +337,9 @@ class _Walk:
                 inputs = targets = self.sequences.span(0, 0, 1)
             lengths = [len(inputs)]
         start = self.plan.segments[leaves[0]].start if leaves else step_start(self.plan, step)
-        # a CP round after no state (roots) runs each rank's leaf alone: nothing to attend across the ranks
-        local = step.split is None or not any(step.split.prefix_sizes)
         with torch.enable_grad() if self.backward else torch.no_grad():
             out = run_segment(self.adapter, inputs, start, past, self._scoring(targets),
-                              None if local else step.split, self.group)
+                              step.split if step.sharded else None, self.group)
             # a leaf's values start where it scores: under CP a leaf may begin with fewer than R unscored positions
             firsts = [self.plan.segments[i].score_from - self.plan.segments[i].start for i in leaves] or [0]
             lps = [row[f:n] for row, f, n in zip(out.log_probs.view(len(lengths), -1), firsts, lengths, strict=True)]

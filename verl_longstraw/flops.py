@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .adapters import Adapter
-from .mixers import MixerOp
+from .mixers import MixerOp, layer_needs_output
 
 BACKWARD = 2.0  # backward FLOPs per forward FLOP: the gradients of a matmul's input and of its weight
 
@@ -64,8 +64,9 @@ class ModelCost:
     def forward(self, tokens: int, prefix: int, scored: int | None) -> float:
         """Forward FLOPs of one sequence of ``tokens`` at positions [prefix, prefix + tokens) in one call, the LM
         head over ``scored`` rows (None: the call scores nothing and its last layer stops at its state)."""
-        layers = len(self.ops) if scored is not None else len(self.ops) - 1
-        body = sum(2 * self.layer_params[i] * tokens + self.ops[i].flops(tokens, prefix) for i in range(layers))
+        layers = len(self.ops)
+        body = sum(2 * self.layer_params[i] * tokens + self.ops[i].flops(tokens, prefix)
+                   for i in range(layers) if layer_needs_output(i, layers, scored is not None))
         return body + 2 * self.head_params * (scored or 0)
 
 

@@ -153,6 +153,12 @@ class Step:
     split: Split | None = None
     round: tuple[int | None, ...] = ()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the call reads the other ranks (runs on its ``split``): under CP, except a replay round after no
+        state (roots), whose ranks each run their leaf alone (nothing to attend across the ranks)."""
+        return self.split is not None and (self.phase != "replay" or any(self.split.prefix_sizes))
+
 
 @dataclass(frozen=True)
 class Plan:

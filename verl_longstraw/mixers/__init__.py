@@ -3,7 +3,7 @@ in one process and on a context-parallel group, and its costs (saved bytes, tran
 plan step. An adapter declares one per layer; the memory estimate and the FLOP count sum them."""
 
 from .attention import Attention, RowAttention, WindowAttention
-from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, per_sequence
+from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, layer_needs_output, per_sequence
 from .gated_delta import GatedDelta
 from .kda import Kda
 from .mamba2 import Mamba2
@@ -11,5 +11,5 @@ from .mla import LatentAttention
 
 __all__ = [
     "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer", "RowAttention",
-    "Saves", "SegmentContext", "WindowAttention", "apply_rope", "per_sequence",
+    "Saves", "SegmentContext", "WindowAttention", "apply_rope", "layer_needs_output", "per_sequence",
 ]

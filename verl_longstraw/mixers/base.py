@@ -115,6 +115,13 @@ def affine_merge_bytes(call: LayerCall, backward: bool, summary_elements: int, c
     return out
 
 
+def layer_needs_output(idx: int, num_layers: int, scores: bool) -> bool:
+    """Whether layer ``idx`` of ``num_layers`` computes its output in a model call that scores tokens (``scores``)
+    or not: every layer but the last of a call that scores nothing, whose state is all that is read of it (the
+    walk's ``execute.run_segment``, the estimate and the FLOP count all ask this)."""
+    return scores or idx < num_layers - 1
+
+
 def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
     """A fixed-size state [1, ...] for ``batch`` sequences: itself for one, else a contiguous copy [batch, ...]
     (small: e.g. a Gated DeltaNet recurrent state; kernels such as flash-linear-attention's read it densely)."""
