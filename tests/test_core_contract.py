@@ -97,11 +97,11 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2"])
 def test_hybrid_state_is_fixed_size_for_linear_layers(family):
     """Layer 0 (Gated DeltaNet, Mamba2 of nemotron_h and granitemoehybrid, Kimi Delta Attention) keeps conv +
-    recurrent state whose size is independent of the prompt's length, in storage of that size (no view of a longer
-    buffer); nemotron_h's MLP and MoE blocks keep none."""
+    recurrent state (lfm2's short conv: conv state alone) whose size is independent of the prompt's length, in
+    storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
     model = tiny_model(family)
     sizes = []
     for n in (10, 90):
@@ -113,7 +113,7 @@ def test_hybrid_state_is_fixed_size_for_linear_layers(family):
         if family == "nemotron_h":
             blocks = model.config.layer_types
             assert [len(store.kinds[i]) for i, block in enumerate(blocks) if block in ("mlp", "moe")] == [0, 0]
-    assert len(sizes[0]) == 2
+    assert len(sizes[0]) == (1 if family == "lfm2" else 2)
     assert sizes[0] == sizes[1]
 
 
@@ -345,6 +345,7 @@ def test_every_family_builds_on_recent_transformers():
         assert not missing
     else:
         assert set(missing) <= {"kimi_linear", "deepseek_v32", "nemotron_h"}, missing
+
 
 def test_every_adapter_has_a_tiny_family_the_tests_run():
     """``tiny.TINY_CONFIGS`` is exactly the families the tests enumerate, and each registered adapter class serves

@@ -88,6 +88,34 @@ def test_gated_deltanet_walk_flops_match_the_hand_count():
     assert stats.model_flops == capture + replays
 
 
+def test_short_conv_walk_flops_match_the_hand_count():
+    """lfm2 (3 layers: short conv, attention, short conv): a 9-token prompt captured whole (layers 0-1; the last, a
+    short conv, stops at its state) and responses of 2 and 4 tokens replayed at position 8. A short-conv layer costs
+    its weights alone: its depthwise conv's 2 x channels x kernel FLOPs per token are its weight's."""
+    model = tiny_model("lfm2")
+    c = model.config
+    h, heads, kv, i = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
+    d = h // heads
+    conv = 3 * h * h + h * h + h * c.conv_L_cache  # in_proj (B, C, x), out_proj, the depthwise conv
+    full = 2 * heads * d * h + 2 * kv * d * h  # q, out; k, v
+    mlp = 3 * h * i  # w1, w3, w2
+    assert (conv, full, mlp) == (4 * 64 * 64 + 64 * 3, 2 * 64 * 64 + 2 * 32 * 64, 18432)
+
+    def short_conv(tokens: int) -> float:
+        return 2 * (conv + mlp) * tokens
+
+    def attn(tokens: int, prefix: int) -> float:
+        return 2 * (full + mlp) * tokens + attention(heads, d, tokens, prefix)
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (9,), generator=g)
+    responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (2, 4)]
+    stats = group_log_probs(model, prompt, responses).stats
+    capture = short_conv(8) + attn(8, 0)
+    replays = sum(2 * short_conv(n) + attn(n, 8) + 2 * h * VOCAB * n for n in (2, 4))
+    assert stats.model_flops == capture + replays
+
+
 def test_moe_layers_count_the_routed_experts_run():
     """qwen3_moe's sparse layer 1: attention projections, the router, and top-k of the E experts (gate, up, down)."""
     c = tiny_config("qwen3_moe")

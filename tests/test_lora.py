@@ -51,6 +51,7 @@ def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
     ("granitemoehybrid", "all-linear"),
     ("bamba", "all-linear"),
     ("deepseek_v32", "all-linear"),  # its indexer's adapters get no gradient on either path (top-k is discrete)
+    ("lfm2", "all-linear"),  # the short convs' in_proj and out_proj, not their depthwise nn.Conv1d
 ])
 @pytest.mark.parametrize("chunk_size", [None, 32])
 def test_lora_gradients_match_standard(family, targets, chunk_size):
@@ -122,6 +123,15 @@ def test_lora_the_replay_cannot_reproduce_is_refused(name):
     with pytest.raises(UnsupportedModelError, match=message):
         group_backward(model, prompt, responses, weighted_loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_lora_on_the_short_conv_is_refused():
+    """lfm2's short conv runs on its depthwise ``conv`` weight (``mixers.ShortConv``): LoRA there is refused by name
+    (peft builds it where the rank is a multiple of the conv's groups, the channels)."""
+    model = lora_model("lfm2", target_modules=["conv.conv"], r=64)
+    prompt, responses = make_group(VOCAB, 20, (3,))
+    with pytest.raises(UnsupportedModelError, match="LoRA on model.layers.0.conv.conv"):
+        group_backward(model, prompt, responses, weighted_loss)
 
 
 def test_estimate_counts_frozen_base_without_gradients():

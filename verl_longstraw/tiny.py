@@ -91,6 +91,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
         mamba_expand=1,
     )),
+    # LFM2: short-conv and attention (q/k norms) layers, conv biases; the MLP at intermediate_size (no 2/3 and
+    # multiple-of-256 adjustment)
+    "lfm2": ("Lfm2Config", dict(
+        **COMMON, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_auto_adjust_ff_dim=False,
+    )),
     # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
     "gpt_oss": ("GptOssConfig", dict(
         **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -129,9 +135,9 @@ FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # o
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
 # Nemotron-H's, Granite 4.0's and Bamba's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full
-# attention with sinks
+# attention with sinks, LFM2's short-conv + attention hybrid
 VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "granitemoehybrid", "kimi_linear",
-            "gpt_oss", "bamba")
+            "gpt_oss", "bamba", "lfm2")
 
 
 @functools.cache

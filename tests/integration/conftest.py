@@ -13,5 +13,6 @@ def dist():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear")
+    families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear",
+                "lfm2")
     return {f: testing.save_tiny_model(f, str(root / f)) for f in families}

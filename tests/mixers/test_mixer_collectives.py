@@ -23,6 +23,7 @@ CASES = {
     "GatedDelta": ("qwen3_5", 0),
     "Kda": ("kimi_linear", 0),
     "Mamba2": ("nemotron_h", 0),
+    "ShortConv": ("lfm2", 0),
 }
 SIZES = (7, 5)  # each rank's tokens
 

@@ -8,8 +8,9 @@ from .gated_delta import GatedDelta
 from .kda import Kda
 from .mamba2 import Mamba2
 from .mla import LatentAttention
+from .short_conv import ShortConv
 
 __all__ = [
     "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer", "RowAttention",
-    "Saves", "SegmentContext", "WindowAttention", "apply_rope", "layer_needs_output", "per_sequence",
+    "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output", "per_sequence",
 ]

@@ -1,0 +1,38 @@
+"""LiquidAI LFM2 (``lfm2``): gated short-convolution layers (``mixers.ShortConv``) and GQA attention layers with
+per-head q/k norms (``mixers.Attention`` under lfm2's module names), each followed by a SwiGLU MLP (``w1``, ``w3``,
+``w2``).
+
+A layer is ``h + mixer(operator_norm(h))``, then ``h + feed_forward(ffn_norm(h))``; the final norm is
+``embedding_norm`` (after the layers, despite its name). ``config.layer_types`` ("conv" / "full_attention") is always
+set: the config builds it from ``full_attn_idxs`` where it is not given (every layer attends where neither is); the
+model builds each layer's mixer from it, and the adapter reads the mixer the layer has.
+"""
+
+from __future__ import annotations
+
+from ..mixers import Attention, MixerOp, ShortConv
+from .base import Adapter, register
+
+
+class Lfm2Attention(Attention):
+    """``mixers.Attention`` of an ``Lfm2Attention`` module: ``out_proj``, ``q_layernorm``, ``k_layernorm``."""
+
+    out_proj, q_norm, k_norm = "out_proj", "q_layernorm", "k_layernorm"
+
+
+@register
+class Lfm2Adapter(Adapter):
+    model_types = ("lfm2",)
+    weights_read = (*Adapter.weights_read, "conv")  # the short conv runs on its nn.Conv1d's weight (``ShortConv``)
+    layer_types = ("conv", "full_attention")
+    input_norm, post_norm, mlp, final_norm = "operator_norm", "ffn_norm", "feed_forward", "embedding_norm"
+
+    def op(self, idx: int) -> MixerOp:
+        layer = self.layers[idx]
+        return Lfm2Attention(layer.self_attn) if layer.is_attention_layer else ShortConv(layer.conv)
+
+    def mlp_width(self, idx: int) -> int:
+        """The MLP's built width (``w1``'s outputs): the config's ``intermediate_size`` where
+        ``block_auto_adjust_ff_dim`` is off, else 2/3 of it times ``block_ffn_dim_multiplier`` rounded up to
+        ``block_multiple_of``."""
+        return self.layers[idx].feed_forward.w1.out_features
