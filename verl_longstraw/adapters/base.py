@@ -63,14 +63,14 @@ def _call_replaced(module: nn.Module, fn: Callable, *args: Any) -> Any:
 class Adapter(ABC):
     """Runs decoder layers over a segment given the prompt state of earlier tokens.
 
-    Decoder layers are pre-norm: ``h + mixer(input_layernorm(h))``, then ``h + mlp(post_attention_layernorm(h))``.
-    Subclasses declare each layer's mixer (``op``) and, where the layer differs, ``layer``, ``embed``,
-    ``final_hidden`` and ``mlp_width``.
+    Decoder layers are pre-norm: ``h + mixer(input_norm(h))``, then ``h + mlp(post_norm(h))``, the submodules named
+    by the class attributes. Subclasses declare each layer's mixer (``op``), their names where they differ and,
+    where the layer's structure differs, ``layer``, ``embed``, ``final_hidden`` and ``mlp_width``.
     """
 
     model_types: tuple[str, ...] = ()
     weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
-    layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``mix`` runs (None: not read)
+    layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``op`` serves (None: not read)
     # the expert-parallel plan of a MoE family whose config has no base_model_ep_plan (``parallel.experts``): module
     # and parameter names under the base model (``*`` for a layer number) to transformers' styles, the experts
     # module's ``ep_dispatch_experts`` and its 3-D weights' ``grouped_gemm`` (experts on dim 0); None: none needed
