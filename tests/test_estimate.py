@@ -34,7 +34,7 @@ from verl_longstraw.plan import star_plan, tree_plan
 from verl_longstraw.preflight import check_budget
 from verl_longstraw.state import PathState
 from verl_longstraw.testing.compare import make_group, weighted_loss
-from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_config, tiny_model
+from verl_longstraw.tiny import FAMILIES, VARIANTS, VOCAB, tiny_config, tiny_model, unavailable
 
 RESPONSE_LEN = 32
 CASES = (
@@ -137,14 +137,14 @@ def state_leaf_grad_meter() -> Iterator[list[int]]:
         execute._Walk._replay, PathState._add_grad = replay, add_grad
 
 
-def _cp_measure(rank: int, world: int) -> dict:
-    """On one rank of ``world`` (1: one process, no group): per CP_CASES case the peak saved bytes, the state
+def _cp_measure(rank: int, world: int, cases=CP_CASES, budget: bool = True) -> dict:
+    """On one rank of ``world`` (1: one process, no group): per case of ``cases`` the peak saved bytes, the state
     bytes and the largest state-gradient handed back by one response's backward of ``group_backward``; with
-    ``world`` 2 also the budget check's outcome without and with the state gradient on the host."""
+    ``world`` 2 and ``budget`` also the budget check's outcome without and with the state gradient on the host."""
     torch.set_num_threads(1)
     group = dist.new_group(list(range(world))) if world > 1 else None
     out = {"cases": []}
-    for family, prompt_len, chunk in CP_CASES:
+    for family, prompt_len, chunk in cases:
         model = tiny_model(family)
         prompt, responses = make_group(VOCAB, prompt_len, [RESPONSE_LEN] * world)  # G = R: one full round
         stats = GroupStats()
@@ -152,7 +152,7 @@ def _cp_measure(rank: int, world: int) -> dict:
             group_backward(model, prompt, responses, weighted_loss, stats=stats, cp_group=group,
                            knobs=Knobs(prompt_grad="exact", chunk_size=chunk))
         out["cases"].append({"saved": meter.peak, "state": stats.prompt_state_bytes, "leaf_grads": max(leaf_grads)})
-    if world == 2:
+    if world == 2 and budget:
         out["budget"] = _cp_budget(group, world)
     return out
 
@@ -183,16 +183,7 @@ def test_estimate_per_rank_matches_meter(world, record_property):
     """Per rank of R ranks, chunked exact: prompt-state bytes and the state gradients one backward hands back
     exactly, peak saved-for-backward + state bytes within 20 % (rank r's own estimate)."""
     results = [_cp_measure(0, 1)] if world == 1 else run_ranks(_cp_measure, world, timeout_s=600)
-    for rank, result in enumerate(results):
-        for (family, prompt_len, chunk), measured in zip(CP_CASES, result["cases"], strict=True):
-            model = tiny_model(family)
-            estimate = estimate_memory(model.config, prompt_len, world, RESPONSE_LEN, chunk, "exact", torch.float32,
-                                       cp_size=world, rank=rank, device_type="cpu")
-            ratio = (estimate.saved_peak_bytes + estimate.state_bytes) / (measured["saved"] + measured["state"])
-            record_property(f"ratio_{family}_rank{rank}", ratio)
-            assert estimate.state_bytes == measured["state"], (family, rank)
-            assert estimate.state_leaf_grad_bytes == measured["leaf_grads"], (family, rank)
-            assert 0.8 <= ratio <= 1.2, (family, rank, ratio)
+    _check_per_rank(results, CP_CASES, world, record_property)
     if world == 2:
         budgets = [result["budget"] for result in results]
         assert all(b["untouched"] and b["ran_offloaded"] for b in budgets), budgets
@@ -203,6 +194,29 @@ def test_estimate_per_rank_matches_meter(world, record_property):
         for knob in ("chunk_size=", "context-parallel size R=4", "state_grad_on_host=True (-", "fits",
                      "prompt_grad='detached'"):
             assert knob in message, (knob, message)
+
+
+def _check_per_rank(results: list[dict], cases, world: int, record_property) -> None:
+    """Each rank's own estimate against what it measured (``_cp_measure``): prompt-state bytes and the state
+    gradients one backward hands back exactly, peak saved-for-backward + state bytes within 20 %."""
+    for rank, result in enumerate(results):
+        for (family, prompt_len, chunk), measured in zip(cases, result["cases"], strict=True):
+            model = tiny_model(family)
+            estimate = estimate_memory(model.config, prompt_len, world, RESPONSE_LEN, chunk, "exact", torch.float32,
+                                       cp_size=world, rank=rank, device_type="cpu")
+            ratio = (estimate.saved_peak_bytes + estimate.state_bytes) / (measured["saved"] + measured["state"])
+            record_property(f"ratio_{family}_rank{rank}", ratio)
+            assert estimate.state_bytes == measured["state"], (family, rank)
+            assert estimate.state_leaf_grad_bytes == measured["leaf_grads"], (family, rank)
+            assert 0.8 <= ratio <= 1.2, (family, rank, ratio)
+
+
+def test_estimate_per_rank_matches_meter_for_every_cp_family(record_property):
+    """``test_estimate_per_rank_matches_meter`` at R = 2 for every family with a CP form (all but gpt_oss), in one
+    spawn: chunked exact, a shorter prompt."""
+    cases = tuple((f, 512, 128) for f in (*FAMILIES, *VARIANTS) if f != "gpt_oss" and unavailable(f) is None)
+    results = run_ranks(_cp_measure, 2, cases, False, timeout_s=900)
+    _check_per_rank(results, cases, 2, record_property)
 
 
 def test_state_grad_on_host_moves_bytes_to_host():
@@ -341,7 +355,7 @@ def _agent_tree(seed: int = 0) -> tuple[list[torch.Tensor], list[int]]:
     return rows, starts
 
 
-@pytest.mark.parametrize("family", ("qwen3", "qwen3_5"))
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS)
 def test_estimate_of_a_tree_matches_meter(family, record_property):
     """The estimate of a prefix tree's plan (``estimate_plan``: chunked, response segments, exact): the path state
     and its gradient sums the walk held at their largest exactly, the saved-for-backward peak within 20 %."""

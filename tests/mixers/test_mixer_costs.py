@@ -67,3 +67,26 @@ def test_saves_match_meter(case, need_output):
     else:
         assert meter.peak <= counted, (case, counted, meter.peak)
     assert (out is None) == (not need_output)
+
+
+def test_mamba2_summary_scan_saves_match_meter():
+    """What the CP summary scan of a Mamba2 layer keeps once its output is dropped (``parallel.ssd``: the scan from
+    zero, its final state alone read) against ``mamba2.SUMMARY_SAVES`` of the scan's saves, over short and long
+    segments."""
+    from verl_longstraw.mixers.mamba2 import SUMMARY_SAVES
+    from verl_longstraw.ops.ssd_scan import ssd_torch_saved_bytes
+
+    _, op = _layer("nemotron_h", 0)
+    heads, p, n, groups = op.heads, op.head_dim, op.state_size, op.groups
+    for tokens in (16, 50, 200):
+        shapes = ((1, tokens, heads, p), (1, tokens, heads), (1, tokens, groups, n), (1, tokens, groups, n))
+        leaves = [torch.rand(shape, requires_grad=True) for shape in shapes]
+        with SavedTensorMeter(exclude=leaves) as meter:
+            x, dt, b, c = (t * 1.0 for t in leaves)  # inputs computed in the graph, as in a layer
+            out, final = op.scan(x, dt, -torch.rand(heads), b, c, op.scan_chunk, D=None,
+                                 initial_states=torch.zeros(1, heads, p, n), return_final_states=True)
+            del out
+            kept = meter.current
+        counted = SUMMARY_SAVES * ssd_torch_saved_bytes(1, tokens, heads, p, n, op.scan_chunk, torch.float32)
+        assert 0.8 <= counted / kept <= 1.3, (tokens, counted, kept)
+        assert final.requires_grad

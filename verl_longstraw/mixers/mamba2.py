@@ -18,6 +18,7 @@ from ..state import Fixed, LayerState
 from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, conv_input, per_sequence
 
 PROJECTION_SAVES = 6.0  # in_proj output, conv output and activation, the gated norm's saves, per token per head x dim
+SUMMARY_SAVES = 0.4  # of the chunked scan's saves, what the CP summary scan keeps once its output is dropped
 
 
 class Mamba2(MixerOp):
@@ -76,13 +77,15 @@ class Mamba2(MixerOp):
     def saves(self, call: LayerCall) -> Saves:
         """The projections' per-token saves (calibrated), the torch chunked scan's (``ssd_torch_saved_bytes``, each
         sequence padded to whole chunks), and under CP for a prompt chunk the affine merge: the summary scan from zero
-        over the rank's tokens and the R gathered summaries [P, N + P] with the R start states [P, N] per head. The
-        scan runs whether or not the output is needed."""
+        over the rank's tokens (``SUMMARY_SAVES`` of a scan's saves: only its final state is kept) and the R gathered
+        summaries [P, N + P] with the R start states [P, N] per head. The scan runs whether or not the output is
+        needed."""
         p, n = self.head_dim, self.state_size
         total = call.batch * call.tokens * call.act * PROJECTION_SAVES * self.heads * p
         total += ssd_torch_saved_bytes(call.batch, call.tokens, self.heads, p, n, self.scan_chunk, call.compute)
         if call.consecutive and call.cp_size > 1:
-            total += ssd_torch_saved_bytes(1, call.tokens, self.heads, p, n, self.scan_chunk, call.compute)
+            total += SUMMARY_SAVES * ssd_torch_saved_bytes(1, call.tokens, self.heads, p, n, self.scan_chunk,
+                                                           call.compute)
             total += call.cp_size * self.heads * p * (2 * n + p) * call.compute.itemsize
         return Saves(int(total))
 
