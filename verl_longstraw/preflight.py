@@ -87,13 +87,14 @@ def over_budget(estimate: MemoryEstimate, model_bytes: int, budget: Budget, what
 
 
 def choose_units(candidates: Sequence[Callable[[], Sequence[Unit]]], estimate: Callable[[Unit], MemoryEstimate],
-                 model_bytes: int, budget: Budget | None, describe: Callable[[Unit], str], held: str,
-                 knobs_hint: str) -> tuple[list[Unit], int]:
+                 model_bytes: int, verdict: Callable[[Unit, MemoryEstimate], str | None] | None
+                 ) -> tuple[list[Unit], int]:
     """The units this rank walks and the step's estimated device bytes (the largest unit's ``estimate`` plus
     ``model_bytes``). ``candidates`` are tried in order, a later one made only when the ones before it do not fit
-    on some rank. ``budget`` None: no check, the first is walked. Else every rank of the default process group
-    (when one is initialised) learns every rank's verdict, and when not even the last candidate fits each raises
-    MemoryError with its own reason or the first failing rank's (``over_budget``)."""
+    on some rank. ``verdict`` (e.g. ``over_budget`` against the rank's budget) says why a unit's estimate does not
+    fit, None when it does; None: no check, the first candidate is walked. Every rank of the default process group
+    (when one is initialised) learns every rank's verdict on its largest unit, and when not even the last candidate
+    fits each raises MemoryError with its own reason or the first failing rank's."""
     if not candidates:
         raise ValueError("choose_units needs at least one candidate way to split the step")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -102,15 +103,14 @@ def choose_units(candidates: Sequence[Callable[[], Sequence[Unit]]], estimate: C
         estimates = [(unit, estimate(unit)) for unit in units]
         unit, largest = max(estimates, key=lambda e: e[1].total_bytes, default=(None, None))
         total = model_bytes + (largest.total_bytes if largest is not None else 0)
-        if budget is None:
+        if verdict is None:
             return units, total
-        message = None if largest is None else over_budget(largest, model_bytes, budget, describe(unit), held,
-                                                           knobs_hint)
+        message = None if largest is None else verdict(unit, largest)
         verdicts: list[str | None] = [message]
         if world > 1:
             verdicts = [None] * world
             dist.all_gather_object(verdicts, message)
-        if all(verdict is None for verdict in verdicts):
+        if all(theirs is None for theirs in verdicts):
             return units, total
         if attempt + 1 < len(candidates):
             continue

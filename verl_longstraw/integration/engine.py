@@ -77,7 +77,7 @@ from verl_longstraw.flops import mfu
 from verl_longstraw.parallel import comm, experts
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.plan import Plan, star_plan, tree_plan
-from verl_longstraw.preflight import Budget, choose_units
+from verl_longstraw.preflight import Budget, choose_units, over_budget
 
 from .config import STRATEGY, as_longstraw_config, check_context_parallel, check_supported, unserved_role_error
 from .losses import splits_by_response
@@ -323,15 +323,21 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         model_bytes = params + grads
         if expert_parallel and not forward_only:  # the expert shards' gradients (the shards are resident)
             model_bytes += expert_shard_bytes(self._unit_counts, self.cp_size, self._expert_dtype).gradients
-        budget = None
-        if self.longstraw.preflight:
-            budget_gb = self.longstraw.memory_budget_gb
-            budget = (Budget(int(budget_gb * GIB), "longstraw.memory_budget_gb") if budget_gb is not None
-                      else Budget(_free_device_bytes(), "free device memory"))
         adapter = adapter_for(self.module)
+        verdict = None
+        if self.longstraw.preflight:
+            def verdict(unit: Tree, estimate: MemoryEstimate) -> Optional[str]:
+                return self._over_budget(unit, estimate, model_bytes)
+        return choose_units(candidates, lambda unit: self._estimate(adapter, unit, forward_only), model_bytes, verdict)
+
+    def _over_budget(self, unit: Tree, estimate: MemoryEstimate, model_bytes: int) -> Optional[str]:
+        """Why ``unit``'s walk does not fit (``preflight.over_budget``: ``estimate`` plus ``model_bytes`` against
+        `longstraw.memory_budget_gb` or the device's free memory, naming the knobs); None when it fits."""
+        budget_gb = self.longstraw.memory_budget_gb
+        budget = (Budget(int(budget_gb * GIB), "longstraw.memory_budget_gb") if budget_gb is not None
+                  else Budget(_free_device_bytes(), "free device memory"))
         held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for the walk at R = 1)"
-        return choose_units(candidates, lambda unit: self._estimate(adapter, unit, forward_only), model_bytes, budget,
-                            _describe, held, PREFLIGHT_KNOBS)
+        return over_budget(estimate, model_bytes, budget, _describe(unit), held, PREFLIGHT_KNOBS)
 
     def _estimate(self, adapter: Adapter, unit: Tree, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
