@@ -18,7 +18,8 @@ def estimate(prompt_len: int):
 
 def against(budget: Budget):
     """``over_budget`` of a unit (a prompt length) against ``budget`` beside 100 bytes of parameters."""
-    return lambda unit, estimate: over_budget(estimate, 100, budget, f"{unit} tokens", "the model", "knobs here")
+    return lambda unit, estimate: over_budget(estimate, 100, budget, lambda: f"{unit} tokens", "the model",
+                                              "knobs here")
 
 
 def test_choose_units_falls_back_to_the_first_that_fits():

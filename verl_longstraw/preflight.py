@@ -70,18 +70,18 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
 
 
 
-def over_budget(estimate: MemoryEstimate, model_bytes: int, budget: Budget, what: str, held: str,
+def over_budget(estimate: MemoryEstimate, model_bytes: int, budget: Budget, describe: Callable[[], str], held: str,
                 knobs_hint: str) -> str | None:
     """Why the walk of ``estimate`` does not fit ``budget`` beside ``model_bytes`` (the unsharded parameters and
-    gradients of ``held``), naming ``what`` is walked, the knobs (``check_budget``) and ``knobs_hint`` (where the
-    caller's knobs are set); None when it fits."""
+    gradients of ``held``), naming what is walked (``describe()``, asked only then), the knobs (``check_budget``)
+    and ``knobs_hint`` (where the caller's knobs are set); None when it fits."""
     try:
         check_budget(estimate, budget.nbytes - model_bytes)
     except MemoryError as exc:
         return (
-            f"LongStraw pre-flight check, before any capture: {what} does not fit the budget ({budget.source}: "
-            f"{budget.nbytes / GIB:.3g} GiB, of which {model_bytes / GIB:.3g} GiB go to unsharded parameters and "
-            f"gradients of {held}). {exc}. {knobs_hint}"
+            f"LongStraw pre-flight check, before any capture: {describe()} does not fit the budget "
+            f"({budget.source}: {budget.nbytes / GIB:.3g} GiB, of which {model_bytes / GIB:.3g} GiB go to unsharded "
+            f"parameters and gradients of {held}). {exc}. {knobs_hint}"
         )
     return None
 

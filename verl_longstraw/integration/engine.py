@@ -337,7 +337,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
         budget = (Budget(int(budget_gb * GIB), "longstraw.memory_budget_gb") if budget_gb is not None
                   else Budget(_free_device_bytes(), "free device memory"))
         held = "two FSDP units" if self.cp_size > 1 else "the whole model (held for the walk at R = 1)"
-        return over_budget(estimate, model_bytes, budget, _describe(unit), held, PREFLIGHT_KNOBS)
+        return over_budget(estimate, model_bytes, budget, lambda: _describe(unit), held, PREFLIGHT_KNOBS)
 
     def _estimate(self, adapter: Adapter, unit: Tree, forward_only: bool) -> MemoryEstimate:
         """The memory estimate of one unit's walk on this rank with the engine's knobs and compute dtype (a
