@@ -11,7 +11,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from verl_longstraw.parallel.experts import MIN_TRANSFORMERS
+from verl_longstraw.parallel.transformers_ep import MIN_TRANSFORMERS
 from verl_longstraw.testing.scripts import run_benchmark
 
 BENCH_EP = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ep.py"

@@ -31,8 +31,9 @@ from packaging.version import Version
 
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.parallel.transformers_ep import MIN_TRANSFORMERS
 
-needs_plan = pytest.mark.skipif(Version(transformers.__version__) < ep.MIN_TRANSFORMERS,
+needs_plan = pytest.mark.skipif(Version(transformers.__version__) < MIN_TRANSFORMERS,
                                 reason=f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
 FAMILIES = ("qwen3_moe", "deepseek_v3")  # 4 routed experts each: 2 per rank
 CP = 2
@@ -148,7 +149,7 @@ def saved_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def results(saved_models, tmp_path_factory) -> list[dict]:
     """Every rank's results of both engines (``_worker``)."""
-    if Version(transformers.__version__) < ep.MIN_TRANSFORMERS:
+    if Version(transformers.__version__) < MIN_TRANSFORMERS:
         pytest.skip(f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
     return run_ranks(_worker, CP, saved_models, str(tmp_path_factory.mktemp("ep_checkpoints")), timeout_s=900)
 
@@ -230,7 +231,7 @@ def test_two_cp_groups_by_two_replicas_match_fsdp2(saved_models):
     the stock engine's."""
     from verl_longstraw.testing import verl_harness as testing
 
-    if Version(transformers.__version__) < ep.MIN_TRANSFORMERS:
+    if Version(transformers.__version__) < MIN_TRANSFORMERS:
         pytest.skip(f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
     results = run_ranks(_replicas_worker, 2 * CP, saved_models["qwen3_moe"], timeout_s=900)
     for rank, result in enumerate(results):

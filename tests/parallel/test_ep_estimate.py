@@ -25,10 +25,11 @@ from verl_longstraw.estimate import (
 )
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.parallel.transformers_ep import MIN_TRANSFORMERS
 from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
-needs_plan = pytest.mark.skipif(Version(transformers.__version__) < ep.MIN_TRANSFORMERS,
+needs_plan = pytest.mark.skipif(Version(transformers.__version__) < MIN_TRANSFORMERS,
                                 reason=f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
 FAMILY, WORLD = "deepseek_v3", 2
 PROMPT_LEN, CHUNK, RESPONSE_LEN = 65, 32, 20  # 16 chunk tokens per rank; a 20-token response per rank is the largest

@@ -16,15 +16,17 @@ import transformers
 from packaging.version import Version
 
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
+from verl_longstraw.adapters import adapter_for
 from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
+from verl_longstraw.parallel.transformers_ep import MIN_TRANSFORMERS
 from verl_longstraw.testing.compare import float64_throughout
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model, unavailable
 
 FLOAT64_TOL = 1e-10
 # transformers' expert-parallel plan came with 5.19 (scripts/test_core.sh runs older releases: refused, not run)
-needs_plan = pytest.mark.skipif(Version(transformers.__version__) < ep.MIN_TRANSFORMERS,
+needs_plan = pytest.mark.skipif(Version(transformers.__version__) < MIN_TRANSFORMERS,
                                 reason=f"transformers {transformers.__version__} has no ep_dispatch_experts plan")
 EXPERTS = 6  # divisible by R = 2 and 3
 # the three the issue names, and every other MoE family with a CP form (gpt_oss has none: its window and sink layers
@@ -233,7 +235,7 @@ def test_bad_settings_raise_on_every_rank():
 
 
 def test_one_rank_and_an_old_transformers_are_refused(monkeypatch):
-    if Version(transformers.__version__) >= ep.MIN_TRANSFORMERS:
+    if Version(transformers.__version__) >= MIN_TRANSFORMERS:
         with pytest.raises(ValueError, match="context_parallel_size > 1"):
             ep.check_expert_parallel(tiny_model("qwen3_moe"), 1)
     real = importlib.metadata.version
@@ -245,10 +247,12 @@ def test_one_rank_and_an_old_transformers_are_refused(monkeypatch):
 
 @needs_plan
 def test_families_without_a_transformers_plan_have_the_adapters():
-    """nemotron_h and granitemoehybrid: transformers 5.19 has no EP plan; their adapters' plans name every routed
-    experts module (one per MoE layer) and no other."""
+    """nemotron_h and granitemoehybrid: transformers 5.19 has no EP plan for them (5.25 has); their adapters' plans
+    name every routed experts module (one per MoE layer) and no other, and equal transformers' where the installed
+    release has one."""
     for family, moe_layers in (("nemotron_h", 1), ("granitemoehybrid", 3)):
         model = tiny_model(family)
-        assert not model.ep_plan
+        own = {f"{model.base_model_prefix}.{name}": style for name, style in adapter_for(model).expert_plan.items()}
+        assert not model.ep_plan or model.ep_plan == own, (model.ep_plan, own)
         dispatched = ep.dispatched_experts(model)
         assert len(dispatched) == moe_layers and all(name.endswith(".experts") for name, _ in dispatched), dispatched

@@ -1,7 +1,8 @@
 """Expert parallelism over the context-parallel group: each of the R ranks of a CP group holds E / R of every MoE
 layer's routed experts, and the tokens routed to the others travel to their owners and back by all-to-all.
 
-The dispatcher is transformers' own (>= 5.19): its ``ep_dispatch_experts`` plan (``EpDispatchExpertsParallel``:
+The dispatcher is transformers' own (>= 5.19, through ``parallel.transformers_ep``, which owns the release seam):
+its ``ep_dispatch_experts`` plan (``EpDispatchExpertsParallel``:
 the (token, expert) pairs sorted by owner, counts and tokens exchanged with an autograd-capable
 ``all_to_all_single``, the local experts run, the outputs sent back and weighted) with the expert weights as
 DTensors ``Shard(0)`` over a mesh of the CP group (``grouped_gemm``). The plan is the model config's
@@ -19,13 +20,11 @@ without experts. ``expert_parameters`` names the first kind.
 
 from __future__ import annotations
 
-import importlib.metadata
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -33,23 +32,8 @@ from torch.distributed.tensor import DTensor
 from ..adapters import adapter_for
 from ..errors import UnsupportedModelError
 from ..lora import base_model
-
-MIN_TRANSFORMERS = Version("5.19.0")  # the first release with the ep_dispatch_experts plan
-DISPATCH, SHARDED = "ep_dispatch_experts", "grouped_gemm"  # transformers' plan styles: the module, its weights
-
-
-def _transformers_expert_parallelism():
-    """transformers' ``apply_expert_parallelism``; UnsupportedModelError naming the release needed."""
-    installed = Version(importlib.metadata.version("transformers"))
-    try:
-        from transformers.distributed.tensor_parallel import apply_expert_parallelism
-    except ImportError:
-        apply_expert_parallelism = None
-    if installed < MIN_TRANSFORMERS or apply_expert_parallelism is None:
-        raise UnsupportedModelError(
-            f"expert_parallel needs transformers>={MIN_TRANSFORMERS} (its ep_dispatch_experts plan); transformers "
-            f"{installed} is installed: pip install 'transformers>={MIN_TRANSFORMERS}' or set expert_parallel: false")
-    return apply_expert_parallelism
+from . import transformers_ep
+from .transformers_ep import DISPATCH, SHARDED, matches
 
 
 def expert_plan(model: nn.Module) -> dict[str, str]:
@@ -70,16 +54,10 @@ def expert_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def _matches(pattern: str, name: str) -> bool:
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(p == "*" and n.isdigit() or p == n for p, n in zip(parts, names,
-                                                                                              strict=True))
-
-
 def _dispatched(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module]]:
     """(name, module) of every experts module of ``model`` (a transformers model) the plan dispatches to."""
     patterns = [name for name, style in plan.items() if style == DISPATCH]
-    return [(name, module) for name, module in model.named_modules() if any(_matches(p, name) for p in patterns)]
+    return [(name, module) for name, module in model.named_modules() if any(matches(p, name) for p in patterns)]
 
 
 def dispatched_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -95,7 +73,7 @@ def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
     (``expert_plan``). Raises naming the field and the fix: ValueError for R = 1 or experts not divisible by R,
     UnsupportedModelError for an old transformers or a family without a plan. The same on every rank (it reads
     the model and ``world`` only)."""
-    _transformers_expert_parallelism()
+    transformers_ep.generation()
     if world < 2:
         raise ValueError(
             "expert_parallel needs context_parallel_size > 1: the experts are split over the CP group, whose ranks "
@@ -110,7 +88,7 @@ def check_expert_parallel(model: nn.Module, world: int) -> dict[str, str]:
     sharded = [name for name, style in plan.items() if style == SHARDED]
     for name, module in experts:
         unsplit = [p_name for p_name, _ in module.named_parameters() if not any(
-            _matches(pattern, f"{name}.{p_name}") for pattern in sharded)]
+            matches(pattern, f"{name}.{p_name}") for pattern in sharded)]
         if unsplit:
             raise UnsupportedModelError(
                 f"expert_parallel splits exactly the plan's expert weights, but {name} also holds {unsplit}: LoRA "
@@ -135,7 +113,6 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | dist.ProcessGrou
     keeps its slice of the weights it has; a rank whose experts are on the meta device gets empty shards to be
     filled by ``broadcast_expert_weights`` (which replaces those parameters: read ``expert_parameters``
     after it)."""
-    apply_expert_parallelism = _transformers_expert_parallelism()
     model = base_model(model)
     if isinstance(group, DeviceMesh):
         mesh = group
@@ -143,7 +120,7 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | dist.ProcessGrou
         mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
                                      next(p for p in model.parameters() if not p.is_meta).device.type)
     plan = check_expert_parallel(model, mesh.size())
-    apply_expert_parallelism(model, mesh, None, plan)
+    transformers_ep.apply(model, mesh, plan)
     return expert_parameters(model)
 
 
@@ -207,12 +184,9 @@ def trace_all_to_all() -> Iterator[list[int]]:
     """Bytes of every token tensor this rank passes to the experts' all-to-alls inside the block, appended to the
     yielded list: the forward's (the (token, expert) pairs sent to their owners, the outputs sent back) and, for
     those autograd will differentiate, the gradient each backward sends. (Not the per-expert counts, E int64 per
-    call.) Wraps the name transformers' dispatcher calls, ``transformers.distributed.tensor_parallel
-    .all_to_all_single`` (torch's functional collective; tests/parallel/test_experts.py pins that the dispatcher
-    goes through it)."""
-    from transformers.distributed import tensor_parallel
-
-    original = tensor_parallel.all_to_all_single
+    call.) Wraps the name the installed release's dispatcher calls (``transformers_ep.token_all_to_all``: torch's
+    functional collective; tests/parallel/test_experts.py pins that the dispatcher goes through it)."""
+    module, attribute, original = transformers_ep.token_all_to_all()
     sent: list[int] = []
 
     def traced(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -222,11 +196,11 @@ def trace_all_to_all() -> Iterator[list[int]]:
             out.register_hook(lambda grad: sent.append(grad.numel() * grad.element_size()))
         return out
 
-    tensor_parallel.all_to_all_single = traced
+    setattr(module, attribute, traced)
     try:
         yield sent
     finally:
-        tensor_parallel.all_to_all_single = original
+        setattr(module, attribute, original)
 
 
 def expert_parameters(model: nn.Module) -> frozenset[nn.Parameter]:
