@@ -5,8 +5,8 @@ import csv
 import torch
 
 from verl_longstraw.estimate import estimate_memory
-from verl_longstraw.profile import main
-from verl_longstraw.tiny import tiny_config
+from verl_longstraw.profile import load_model, main
+from verl_longstraw.tiny import tiny_config, tiny_model
 
 PROMPT_LEN, RESPONSE_LEN, REPLAY_TOKENS = 64, 8, 16
 
@@ -38,3 +38,14 @@ def test_tiny_sweep_writes_rows_front_and_plot(tmp_path):
         assert float(r["capture_s"]) > 0 and float(r["replay_s"]) > 0 and float(r["prompt_backward_s"]) > 0
     assert all(r["estimate_bytes"] == "" and r["capture_s"] == "" for r in rows[4:])
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_checkpoint_path_loads_with_its_overrides(tmp_path):
+    """A Hugging Face checkpoint folder (``save_pretrained``) loads through transformers' ``from_pretrained`` with the
+    config overrides applied, in train mode, with the weights saved."""
+    saved = tiny_model("qwen3_moe")
+    saved.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), {"num_experts_per_tok": 1}, torch.float32, torch.device("cpu"), 0)
+    assert model.training and model.config.num_experts_per_tok == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values(),
+                                                 strict=True))
