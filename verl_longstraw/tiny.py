@@ -162,12 +162,14 @@ EVERY_FAMILY_SINCE = "5.17.0"  # the oldest release tested with every tiny famil
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A random-init causal LM of ``family`` in train mode, eager attention, eager experts, its weights in ``dtype``
     as transformers builds them (from 5.2x the routers of the DeepSeek-style MoE families stay float32: their
-    ``_keep_in_fp32_modules_strict``), except that a float64 model is float64 throughout: what the float64
-    comparisons (``testing.compare.float64_throughout``) require."""
+    ``_keep_in_fp32_modules_strict``), except that every parameter of a float64 model is float64: the float64
+    comparisons (``testing.compare.float64_throughout``) widen what the parameters meet, and autograd refuses a
+    float64 gradient for a float32 leaf. (Buffers stay as built: the mode widens their reads.)"""
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if dtype == torch.float64:
-        model.to(torch.float64)
+        for param in model.parameters():
+            param.data = param.data.to(torch.float64)
     return model.train()
 
