@@ -44,12 +44,14 @@ BUDGET = ["--budget-seconds", str(sum(CEILINGS.values()) + 120)]  # the whole ru
 TINY_STAGE_SECONDS = [*BUDGET, *(arg for stage, seconds in CEILINGS.items() for arg in (f"--{stage}-seconds",
                                                                                        str(seconds)))]
 RUN_TIMEOUT = sum(CEILINGS.values()) + 4 * 30 + 240  # the ceilings, each stage's overrun, the imports
+FAULTY_STAGE_SECONDS = 45  # a faulty stage's time: its imports and first row start well within it on a busy box
 # the newest cases of each kind: a Mamba2 hybrid, KDA, GLM-5.2's shared indexer (DSA top-k), Gated DeltaNet
 SUITE_CASES = ["granitemoehybrid", "kimi_linear", "glm_moe_dsa_shared_indexer", "qwen3_5"]
 # sitecustomize of the subprocesses: what a bare GPU machine lacks raises on import; the faults GPU_CHECK_FAULTS
 # names ("stage:model_type:hang|slow", comma-separated) act in the standard path's first log-prob of a row of that
 # model type in that stage's process (hang: never returns, the time-limit signal blocked as a CUDA call blocks it;
-# slow: returns a second past the stage's deadline); facts for the test at exit, one file per process
+# slow: the row runs past the stage's deadline, on a controllable clock: the stage's time.monotonic jumps a second
+# past it and the row's timer fires, so no wall time is spent); facts for the test at exit, one file per process
 BARE_MACHINE = '''
 import atexit, importlib.util, json, os, signal, sys, time
 
@@ -79,14 +81,18 @@ if STAGE is not None and FAULTS:  # the checkout on sys.path now, as the stage s
     import verl_longstraw.testing.compare as testing
 
     full_log_probs = testing.full_log_probs
+    wall_clock, skipped_seconds = time.monotonic, [0.0]
+    time.monotonic = lambda: wall_clock() + skipped_seconds[0]
 
     def faulty_full_log_probs(model, *args, **kwargs):
         fault = FAULTS.pop(f"{STAGE}:{model.config.model_type}", None)
-        if fault is not None:
+        if fault == "hang":
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            time.sleep(3600)
+        elif fault == "slow":
             until = float(sys.argv[sys.argv.index("--until") + 1])
-            time.sleep(3600 if fault == "hang" else max(until - time.monotonic() + 1.0, 0.0))
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+            skipped_seconds[0] += max(until - time.monotonic() + 1.0, 0.0)
+            os.kill(os.getpid(), signal.SIGALRM)  # the row's timer, as if its time had passed
         return full_log_probs(model, *args, **kwargs)
 
     testing.full_log_probs = faulty_full_log_probs
@@ -173,12 +179,13 @@ def test_gpu_check_tiny_on_a_bare_machine(tmp_path):
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory):
     """A run whose equivalence stage's first row overruns the stage and whose fsdp2 stage hangs in its first row (its
-    fault sleeps an hour): (its folder, the completed process, its report). The two faulty stages get 6 s: the
-    faults act at their deadlines whatever the box's speed; ops and scale get their ceilings."""
+    fault sleeps an hour): (its folder, the completed process, its report). The faulty stages must reach their first
+    row (imports, the model) within their time on any box, so they get FAULTY_STAGE_SECONDS: the overrun costs none
+    of it (its clock jumps), the hang all of it plus the overrun. ops and scale get their ceilings."""
     folder = tmp_path_factory.mktemp("faulty")
     args = ["--families", "qwen3", *BUDGET, "--ops-seconds", str(CEILINGS["ops"]), "--scale-seconds",
-            str(CEILINGS["scale"]),
-            "--equivalence-seconds", "6", "--fsdp2-seconds", "6", "--overrun-seconds", "4"]
+            str(CEILINGS["scale"]), "--equivalence-seconds", str(FAULTY_STAGE_SECONDS), "--fsdp2-seconds",
+            str(FAULTY_STAGE_SECONDS), "--overrun-seconds", "4"]
     run = run_gpu_check(folder, args, faults="equivalence:qwen3:slow,fsdp2:qwen3:hang")
     return folder, run, json.loads((folder / "out" / "gpu_check_tiny.json").read_text())
 

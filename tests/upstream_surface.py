@@ -38,7 +38,8 @@ TRANSFORMERS = (
      (f"{LORA}::test_estimate_counts_frozen_base_without_gradients",)),
     ("<model>.rotary_emb(h, position_ids), .mrope_section, .inv_freq", "submodule call, attributes",
      "adapters/base.py, adapters/gpt_oss.py, estimate.py",
-     (f"{CONTRACT}::test_single_token_prompt", EQUIVALENCE, "tests/test_estimate.py")),
+     (f"{CONTRACT}::test_single_token_prompt", EQUIVALENCE,
+      "tests/test_estimate.py::test_state_grad_on_host_moves_bytes_to_host")),
     ("GradientCheckpointingLayer .gradient_checkpointing / ._gradient_checkpointing_func", "private attributes",
      "adapters/base.py (call_as)", (f"{CONTRACT}::test_gradient_checkpointing_keeps_prompt_state",)),
     ("modeling_{nemotron_h,granitemoehybrid,bamba}.mamba2_chunk_scan", "private module function",
@@ -47,7 +48,10 @@ TRANSFORMERS = (
      "private module functions", "ops/kda.py, mixers/kda.py, testing/compare.py", ("tests/ops/test_kda.py",
                                                                                   EQUIVALENCE)),
     ("modeling_{qwen3_next,qwen3_5,qwen3_5_moe}.torch_chunk_gated_delta_rule", "private module function",
-     "testing/compare.py (reference_linear_attention)", ("tests/ops/test_gated_delta_rule.py", EQUIVALENCE)),
+     "testing/compare.py (reference_linear_attention)", ("tests/ops/test_gated_delta_rule.py::test_matches_"
+                                                         "transformers", "tests/ops/test_gated_delta_rule.py::"
+                                                         "test_chunked_float32_as_accurate_as_transformers",
+                                                         EQUIVALENCE)),
     ("apply_rotary_pos_emb_interleave (a name in the MLA forward's code)", "private function name",
      "mixers/mla.py", (f"{CONTRACT}::test_mla_state_is_latent_only", f"{CONTRACT}::test_sparse_dsa_selection_"
                        "matches_full_forward")),
