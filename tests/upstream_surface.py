@@ -55,7 +55,8 @@ TRANSFORMERS = (
     ("apply_rotary_pos_emb_interleave (a name in the MLA forward's code)", "private function name",
      "mixers/mla.py", (f"{CONTRACT}::test_mla_state_is_latent_only", f"{CONTRACT}::test_sparse_dsa_selection_"
                        "matches_full_forward")),
-    ("transformers.integrations.hub_kernels (kernel wrappers keep __wrapped__)", "decorator", "ops/kda.py, "
+    ("transformers.integrations.hub_kernels (kernel wrappers keep __wrapped__; with the kernels package, which 5.25 "
+     "requires, a kernels Func module closing over them as func)", "decorator", "ops/kda.py (plain_torch_form), "
      "mixers/mla.py", ("tests/ops/test_kda.py",)),
     ("transformers.activations.ACT2FN", "registry", "mixers/kda.py", (EQUIVALENCE,)),
     ("mixer modules' attributes (Mamba2 / GatedDeltaNet / KDA / MLA / DSA indexer / attention sinks)",

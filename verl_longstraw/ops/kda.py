@@ -62,7 +62,22 @@ def chunked_rule(mixer: nn.Module, dtype: torch.dtype) -> DeltaRule:
     own (``model_kda_rules``: flash-linear-attention's ``chunk_kda`` where transformers bound it), otherwise the
     plain torch chunked form that binding wraps (float32 arithmetic, float64 for float64 inputs)."""
     chunked = model_kda_rules(mixer).chunked
-    return chunked if dtype in (torch.float16, torch.bfloat16) else inspect.unwrap(chunked)
+    return chunked if dtype in (torch.float16, torch.bfloat16) else plain_torch_form(chunked)
+
+
+def plain_torch_form(rule: DeltaRule) -> DeltaRule:
+    """The torch function behind transformers' hub-kernel binding ``rule``: through the ``kernels`` package's
+    function module where that package is installed (transformers 5.25 requires it; its ``Func`` module calls the
+    binding it closes over as ``func``), then the binding's ``functools.wraps`` (``__wrapped__``). UnsupportedModelError
+    when a ``kernels`` module holds no such binding."""
+    if isinstance(rule, nn.Module):
+        bound = inspect.getclosurevars(type(rule).forward).nonlocals.get("func")
+        if not callable(bound):
+            raise UnsupportedModelError(
+                f"{type(rule).__module__}.{type(rule).__qualname__}: this kernels release's function module does not "
+                "close over the transformers function it wraps (func): its plain torch form cannot be found")
+        rule = bound
+    return inspect.unwrap(rule)
 
 
 def kda_rule(rule: DeltaRule, q, k, v, g, beta, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
