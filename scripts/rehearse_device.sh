@@ -20,7 +20,10 @@
 # 3. the rerun: the report of 2 with the rows of its two newest cases taken out, rerun with
 #    `device_run.sh --rerun-failed REPORT` and GPU_CHECK_ARGS="--tiny --stages equivalence fsdp2 --families <them>":
 #    only those rows run, and the merged report is complete;
-# 4. `pytest -q tests/ops tests/test_core_equivalence.py`. pytest is a rehearsal tool only: the image lacks it.
+# 4. `pytest -q tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64`: the ops against their
+#    references on the image's torch, and every family's float64 exact gradient on its transformers (step 2 already
+#    compares every case's log-probs and gradients with the standard path at three dtypes, so the rest of the
+#    equivalence file, which the suite runs, is not run twice). pytest is a rehearsal tool only: the image lacks it.
 #
 # PyPI's torch 2.11.0 is its CUDA 13.0 build: libtorch_cuda.so links cudart, cuBLAS, cuDNN, cuFFT, cuFile, cuRAND,
 # cuSPARSE(+nvJitLink), cuSPARSELt, NCCL and NVSHMEM, so `import torch` fails without them even on CPU (checked:
@@ -307,8 +310,9 @@ for problem in problems:
 sys.exit(1 if problems else 0)
 PYEOF
 
-log "4/4 pytest -q tests/ops tests/test_core_equivalence.py"
-"$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_core_equivalence.py || failed+=(pytest)
+log "4/4 pytest -q tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64"
+"$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64 \
+    || failed+=(pytest)
 
 if ((${#failed[@]})); then
     log "FAILED: ${failed[*]} (gpu_check's reports and output: $OUT)"
