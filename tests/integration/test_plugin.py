@@ -27,6 +27,19 @@ def test_entry_point_imports_and_registers():
     assert get_platform().communication_backend_name() == "gloo"
 
 
+def test_hub_kernels_are_off_unless_the_job_sets_them(monkeypatch):
+    """Registering sets USE_HUB_KERNELS=0 where the job left it unset (veRL 0.9.1's meta-device ranks and
+    transformers 5.25's kernelize do not mix) and keeps a value the job set."""
+    from verl_longstraw.integration import plugin
+
+    monkeypatch.delenv(plugin.HUB_KERNELS, raising=False)
+    plugin.register()
+    assert plugin.os.environ[plugin.HUB_KERNELS] == "0"
+    monkeypatch.setenv(plugin.HUB_KERNELS, "1")
+    plugin.register()
+    assert plugin.os.environ[plugin.HUB_KERNELS] == "1"
+
+
 def test_broken_plugin_import_is_loud():
     code = "import sys; sys.modules['verl_longstraw.integration.engine'] = None; import verl"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
