@@ -32,7 +32,11 @@ TOKEN_ALL_TO_ALL = {"all_to_all_single": all_to_all_single, "all_to_all_single_a
 
 @pytest.fixture(scope="module")
 def mesh():
-    """A two-rank CPU mesh on torch's fake process group (this process is rank 0)."""
+    """A two-rank CPU mesh on torch's fake process group (this process is rank 0). A default group an earlier test
+    left in this process (the in-process veRL engine tests and tests/parallel/test_fsdp2.py keep a one-rank gloo
+    group, and make it again where none is) is closed first; this one is closed at the end."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=RANKS, store=FakeStore())
     yield DeviceMesh("cpu", list(range(RANKS)))
     dist.destroy_process_group()
