@@ -115,7 +115,7 @@ def _experts(model) -> list[str]:
 def test_each_generation_gets_its_calling_convention(mesh, monkeypatch, row):
     """Every expert weight sharded E / R, every experts module dispatched after its weights (it reads the local
     expert count), through the generation's entry point; the tracer wraps the generation's token all-to-all."""
-    stand_in = NamesRelease() if row.concrete_names else PatternsRelease()
+    stand_in = NamesRelease() if row.literal_plan else PatternsRelease()
     assert _stand_in(monkeypatch, str(row.since), stand_in) == row
     model = _moe()
     ep.apply_expert_parallel(model, mesh)
@@ -173,9 +173,8 @@ def test_generations_by_release():
 def test_the_installed_release_is_its_rows_generation():
     """The real module has the entry point with the row's parameters and sends tokens with the function the row
     names (torch's functional collective), so the tracer and the call convention hold on this release."""
-    row = seam.generation()
-    module = seam.dispatcher_module()
+    row, module = seam.dispatcher_module()
     parameters = list(inspect.signature(module.apply_expert_parallelism).parameters)
     assert parameters[:4] == ["model", "ep_mesh", "tp_mesh", "plan"]
-    assert ("ep_implementation" in parameters) == row.own_tp_mesh
+    assert ("ep_implementation" in parameters) == row.literal_plan
     assert getattr(module, row.all_to_all) is TOKEN_ALL_TO_ALL[row.all_to_all]

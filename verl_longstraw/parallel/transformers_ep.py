@@ -52,8 +52,8 @@ class Generation:
     since: Version
     module: str  # where ``apply_expert_parallelism`` and the dispatcher live
     all_to_all: str  # the name in ``module`` the dispatcher sends its tokens with (torch's functional collective)
-    concrete_names: bool  # the plan's keys are looked up literally (True) or matched with ``*`` layer numbers
-    own_tp_mesh: bool  # ``tp_mesh`` must be a mesh of this rank alone (True) or None
+    literal_plan: bool  # the 5.23 call: plan keys looked up literally, a one-rank ``tp_mesh``, ``ep_implementation``;
+    # else plan keys matched with ``*`` layer numbers and ``tp_mesh`` None
 
     @property
     def name(self) -> str:
@@ -61,13 +61,10 @@ class Generation:
 
 
 GENERATIONS = (
-    Generation(Version("5.19.0"), "transformers.distributed.tensor_parallel", "all_to_all_single", False, False),
-    Generation(Version("5.21.0"), "transformers.distributed.tensor_parallel", "all_to_all_single_autograd", False,
-               False),
-    Generation(Version("5.22.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", False,
-               False),
-    Generation(Version("5.23.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", True,
-               True),
+    Generation(Version("5.19.0"), "transformers.distributed.tensor_parallel", "all_to_all_single", False),
+    Generation(Version("5.21.0"), "transformers.distributed.tensor_parallel", "all_to_all_single_autograd", False),
+    Generation(Version("5.22.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", False),
+    Generation(Version("5.23.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", True),
 )
 MIN_TRANSFORMERS = GENERATIONS[0].since  # the first release with the ep_dispatch_experts plan
 NEWEST_TESTED = Version("5.25.0")  # the newest release the EP parity tests ran on (.ci/run's newest-releases check)
@@ -100,9 +97,9 @@ def _import(name: str):
     return importlib.import_module(name)
 
 
-def dispatcher_module(release: Version | None = None):
-    """The transformers module holding ``apply_expert_parallelism`` and the dispatcher for ``release`` (default:
-    installed); UnsupportedModelError when a release newer than tested moved it."""
+def dispatcher_module(release: Version | None = None) -> tuple[Generation, object]:
+    """(the row of ``release``, default the installed transformers; the transformers module holding its
+    ``apply_expert_parallelism`` and dispatcher); UnsupportedModelError when a release newer than tested moved it."""
     release = installed_release() if release is None else release
     row = generation(release)
     try:
@@ -112,7 +109,7 @@ def dispatcher_module(release: Version | None = None):
     if module is None or not hasattr(module, "apply_expert_parallelism") or not hasattr(module, row.all_to_all):
         raise _untested(release, f"has no {row.module}.apply_expert_parallelism / .{row.all_to_all} "
                                  f"(the {row.name} entry point)")
-    return module
+    return row, module
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -146,11 +143,10 @@ def apply(model: nn.Module, ep_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     all-to-all. Afterwards every planned expert weight must be a DTensor, else UnsupportedModelError naming the
     release (a silent no-op is the failure a changed lookup rule would cause)."""
     release = installed_release()
-    row = generation(release)
-    module = dispatcher_module(release)
+    row, module = dispatcher_module(release)
     expanded = concrete_plan(model, plan)
     try:
-        if row.own_tp_mesh:
+        if row.literal_plan:
             tp_mesh = _own_mesh(dist.get_rank(), ep_mesh.device_type)
             module.apply_expert_parallelism(model, ep_mesh, tp_mesh, expanded, ep_implementation="all_to_all")
         else:
@@ -166,6 +162,5 @@ def apply(model: nn.Module, ep_mesh: DeviceMesh, plan: dict[str, str]) -> None:
 def token_all_to_all() -> tuple[object, str, Callable]:
     """(module, attribute, function): the name the installed release's dispatcher sends tokens with, for a tracer to
     wrap (``parallel.experts.trace_all_to_all``)."""
-    module = dispatcher_module()
-    attribute = generation().all_to_all
-    return module, attribute, getattr(module, attribute)
+    row, module = dispatcher_module()
+    return module, row.all_to_all, getattr(module, row.all_to_all)
