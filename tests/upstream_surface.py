@@ -14,7 +14,9 @@ from __future__ import annotations
 EQUIVALENCE = "tests/test_core_equivalence.py::test_exact_gradient_float64"  # every family, float64
 CONTRACT = "tests/test_core_contract.py"
 LORA = "tests/test_lora.py"
-EP_PARITY = "tests/parallel/test_experts.py"  # R = 2 and 3, every MoE family, star and tree (spawned ranks)
+# Parity tests run at R = 2 only: the upstream calls do not depend on the world size (R = 3 is the suite's)
+EP_PARITY = "tests/parallel/test_experts.py::test_expert_parallel_matches_one_process[2]"  # every MoE family, star
+# and tree (spawned ranks)
 SEAM = "tests/parallel/test_transformers_ep.py"
 
 TRANSFORMERS = (
@@ -63,14 +65,14 @@ TRANSFORMERS = (
      "module attributes and methods", "mixers/*.py", (EQUIVALENCE, f"{CONTRACT}::test_sparse_dsa_selection_matches_"
                                                       "full_forward", "tests/test_tree.py::test_tree_gradient_"
                                                       "float64", "tests/parallel/test_cp_core.py::test_cp_float64_"
-                                                      "matches_single_process")),
+                                                      "matches_single_process[2]")),
     ("PreTrainedModel.ep_plan (config.base_model_ep_plan), .base_model_prefix", "attributes",
-     "parallel/experts.py", (f"{EP_PARITY}::test_families_without_a_transformers_plan_have_the_adapters",)),
+     "parallel/experts.py", ("tests/parallel/test_experts.py::test_families_without_a_transformers_plan_have_the_adapters",)),
     ("transformers.distributed.{tensor_parallel,expert_parallel}.apply_expert_parallelism", "function",
      "parallel/transformers_ep.py", (SEAM, EP_PARITY)),
     ("transformers.distributed.*.all_to_all_single[_autograd] (the dispatcher's token exchange)", "module global",
      "parallel/transformers_ep.py, parallel/experts.py (trace_all_to_all)",
-     (SEAM, f"{EP_PARITY}::test_uneven_routing_and_a_rank_whose_experts_get_no_token",
+     (SEAM, "tests/parallel/test_experts.py::test_uneven_routing_and_a_rank_whose_experts_get_no_token",
       "tests/parallel/test_ep_estimate.py")),
     ("experts module .num_experts / .hidden_dim", "attributes", "parallel/experts.py, estimate.py",
      (EP_PARITY, "tests/parallel/test_ep_estimate.py")),
