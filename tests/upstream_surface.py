@@ -15,7 +15,8 @@ EQUIVALENCE = "tests/test_core_equivalence.py::test_exact_gradient_float64"  # e
 CONTRACT = "tests/test_core_contract.py"
 LORA = "tests/test_lora.py"
 # Parity tests run at R = 2 only: the upstream calls do not depend on the world size (R = 3 is the suite's)
-EP_PARITY = "tests/parallel/test_experts.py::test_expert_parallel_matches_one_process[2]"  # every MoE family, star
+EP_FILE = "tests/parallel/test_experts.py"
+EP_PARITY = f"{EP_FILE}::test_expert_parallel_matches_one_process[2]"  # every MoE family, star
 # and tree (spawned ranks)
 SEAM = "tests/parallel/test_transformers_ep.py"
 
@@ -67,12 +68,12 @@ TRANSFORMERS = (
                                                       "float64", "tests/parallel/test_cp_core.py::test_cp_float64_"
                                                       "matches_single_process[2]")),
     ("PreTrainedModel.ep_plan (config.base_model_ep_plan), .base_model_prefix", "attributes",
-     "parallel/experts.py", ("tests/parallel/test_experts.py::test_families_without_a_transformers_plan_have_the_adapters",)),
+     "parallel/experts.py", (f"{EP_FILE}::test_families_without_a_transformers_plan_have_the_adapters",)),
     ("transformers.distributed.{tensor_parallel,expert_parallel}.apply_expert_parallelism", "function",
      "parallel/transformers_ep.py", (SEAM, EP_PARITY)),
     ("transformers.distributed.*.all_to_all_single[_autograd] (the dispatcher's token exchange)", "module global",
      "parallel/transformers_ep.py, parallel/experts.py (trace_all_to_all)",
-     (SEAM, "tests/parallel/test_experts.py::test_uneven_routing_and_a_rank_whose_experts_get_no_token",
+     (SEAM, f"{EP_FILE}::test_uneven_routing_and_a_rank_whose_experts_get_no_token",
       "tests/parallel/test_ep_estimate.py")),
     ("experts module .num_experts / .hidden_dim", "attributes", "parallel/experts.py, estimate.py",
      (EP_PARITY, "tests/parallel/test_ep_estimate.py")),
