@@ -1,12 +1,13 @@
-"""Expert parallelism over the CP group (``parallel.experts``) against one unsharded process, float64 throughout, 6
-routed experts per layer (2 or 3 per rank), one spawned group per R (hard timeouts): glm_moe_dsa, qwen3_5_moe,
-deepseek_v3, qwen3_moe and nemotron_h at R = 2 and 3 on star and tree walks, chunked, exact and detached, response
-segments; every other MoE family that runs under CP once at R = 2; a router biased so that one rank's experts take
-every token and the other's none; and the refusals, on every rank."""
+"""Expert parallelism over the CP group (``parallel.experts``) against one unsharded process (each reference computed
+once, in the pytest process), float64 throughout, 6 routed experts per layer (2 or 3 per rank), one spawned group per R
+(hard timeouts): glm_moe_dsa, qwen3_5_moe, deepseek_v3, qwen3_moe and nemotron_h at R = 2 and 3 on star and tree walks,
+chunked, exact and detached, response segments; every other MoE family that runs under CP once at R = 2; a router biased
+so that one rank's experts take every token and the other's none; and the refusals, on every rank."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 
 import pytest
@@ -109,35 +110,57 @@ def _gradients(model, group, experts: frozenset) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _errors(model, reference, walk: tuple, seed: int, group, experts: frozenset, rank: int) -> dict:
-    """The EP walk on ``group`` against ``reference`` (the same model unsharded) on rank 0: largest log-prob and
-    loss differences, gradient relative L2."""
+def _values(model, walk: tuple, seed: int, group, experts: frozenset) -> tuple:
+    """(log-probs of every row, losses, flat gradient over the group) of one walk (``group`` None: one process)."""
     log_probs, losses = _walk(model, walk, seed, group)
-    grad = _gradients(model, group, experts)
-    out = {"log_probs": log_probs}
-    if rank == 0:
-        ref_log_probs, ref_losses = _walk(reference, walk, seed, None)
-        ref_grad = _gradients(reference, None, frozenset())
-        out.update(lp_err=max(float((a - b).abs().max()) for a, b in zip(log_probs, ref_log_probs, strict=True)),
-                   loss_err=float((losses - ref_losses).abs().max()),
-                   grad_err=float((grad - ref_grad).norm() / ref_grad.norm()))
-    return out
+    return log_probs, losses, _gradients(model, group, experts)
 
 
-def _parity_worker(rank: int, world: int) -> list[dict]:
-    group = dist.new_group(list(range(world)))
+def _errors(values: tuple, reference: tuple) -> dict:
+    """Largest log-prob and loss differences of ``values`` from ``reference`` (both ``_values``), gradient
+    relative L2."""
+    (log_probs, losses, grad), (ref_log_probs, ref_losses, ref_grad) = values, reference
+    return {"lp_err": max(float((a - b).abs().max()) for a, b in zip(log_probs, ref_log_probs, strict=True)),
+            "loss_err": float((losses - ref_losses).abs().max()),
+            "grad_err": float((grad - ref_grad).norm() / ref_grad.norm())}
+
+
+def _parity_cases(world: int) -> list[tuple]:
+    """(family, walk); the case index is the model's and the inputs' seed."""
     cases = [(family, walk) for family in WALKED for walk in WALKS]
     if world == 2:  # every other MoE family once
         cases += [(family, WALKS[0]) for family in OTHERS if unavailable(family) is None]
+    return cases
+
+
+@functools.cache
+def _reference(family: str, walk: tuple, seed: int) -> tuple:
+    """``_values`` of one parity case on one unsharded process, on one thread as a spawned rank runs it (more threads
+    than a 2-core machine has free spin): computed once per module, shared by R = 2 and 3."""
+    model = _model(family, seed=seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with float64_throughout():
+            return _values(model, walk, seed, None, frozenset())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _parity_worker(rank: int, world: int) -> list[dict]:
+    """Every parity case's EP walk: each rank's log-probs, and on rank 0 its ``_values`` for the test to compare."""
+    group = dist.new_group(list(range(world)))
     out = []
-    for index, (family, walk) in enumerate(cases):
+    for index, (family, walk) in enumerate(_parity_cases(world)):
         model = _model(family, seed=index)
-        reference = copy.deepcopy(model)
         experts = ep.apply_expert_parallel(model, group)
         with float64_throughout():
-            record = _errors(model, reference, walk, index, group, experts, rank)
-        out.append({"case": (family, *walk), "shards": sorted(p.to_local().shape[0] for p in experts), **record})
-        dist.barrier(group)
+            values = _values(model, walk, index, group, experts)
+        record = {"case": (family, *walk), "shards": sorted(p.to_local().shape[0] for p in experts),
+                  "log_probs": values[0]}
+        if rank == 0:
+            record["values"] = values
+        out.append(record)
     return out
 
 
@@ -147,14 +170,17 @@ def test_expert_parallel_matches_one_process(world):
     """Float64 throughout, every case within 1e-10 of one unsharded process; each rank holds E / R experts of every
     layer, and every rank ends with every row's log-probs."""
     results = run_ranks(_parity_worker, world, timeout_s=900)
-    for index, reference in enumerate(results[0]):
-        case = reference["case"]
-        assert set(reference["shards"]) == {EXPERTS // world}, case
-        assert reference["lp_err"] < FLOAT64_TOL, (case, reference["lp_err"])
-        assert reference["loss_err"] < FLOAT64_TOL, (case, reference["loss_err"])
-        assert reference["grad_err"] < FLOAT64_TOL, (case, reference["grad_err"])
+    cases = _parity_cases(world)
+    assert len(results[0]) == len(cases)
+    for index, ((family, walk), record) in enumerate(zip(cases, results[0], strict=True)):
+        case = record["case"]
+        errors = _errors(record["values"], _reference(family, walk, index))
+        assert set(record["shards"]) == {EXPERTS // world}, case
+        assert errors["lp_err"] < FLOAT64_TOL, (case, errors["lp_err"])
+        assert errors["loss_err"] < FLOAT64_TOL, (case, errors["loss_err"])
+        assert errors["grad_err"] < FLOAT64_TOL, (case, errors["grad_err"])
         for other in results[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(other[index]["log_probs"], reference["log_probs"],
+            assert all(torch.equal(a, b) for a, b in zip(other[index]["log_probs"], record["log_probs"],
                                                          strict=True)), case
 
 
@@ -173,11 +199,13 @@ def _uneven_worker(rank: int, world: int) -> dict:
     for name, module in reference.named_modules():
         if name.endswith("mlp.experts"):  # called with (tokens, chosen expert indices, their weights)
             module.register_forward_pre_hook(lambda m, args: routed.append(args[1]))
-    record = _errors(model, reference, WALKS[0], 3, dist.group.WORLD, experts, rank)
+    values = _values(model, WALKS[0], 3, dist.group.WORLD, experts)
     received = [0.0 if p.grad is None else float(p.grad.to_local().abs().sum()) for p in experts]  # this rank's
-    if rank == 0:
+    record = {"received": received, "traced": traced}
+    if rank == 0:  # the reference, float32, in the worker: its routing is what this test checks
+        record.update(_errors(values, _values(reference, WALKS[0], 3, None, frozenset())))
         record["routed_to"] = sorted({int(i) for indices in routed for i in indices.flatten()})
-    return {**record, "received": received, "traced": traced}
+    return record
 
 
 def _traced_bytes(model, seed: int) -> tuple[int, int]:
