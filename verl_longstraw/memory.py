@@ -21,8 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    """Identity of the storage behind ``tensor`` (shared by all its views)."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
+    """Identity of the storage behind ``tensor`` (shared by all its views) while it lives: its storage object's
+    address, which a dry run's fake tensors have too (their data pointers are all 0)."""
+    return tensor.device, tensor.untyped_storage()._cdata
 
 
 def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:

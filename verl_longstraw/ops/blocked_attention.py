@@ -89,7 +89,7 @@ def matmul_dtype(q: torch.Tensor) -> torch.dtype:
     """Operand dtype of the blocked op's matmuls for queries like ``q``: fp16/bf16 on CUDA (tensor cores, products
     summed and returned in float32 by ``torch.bmm(..., out_dtype=torch.float32)``, as flash attention keeps its
     scores), else ``compute_dtype`` (float32 matmuls; CPU has no float32-output half matmul)."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _float_output_bmm(q.device):
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _float_output_bmm(q.device):
         return q.dtype
     return compute_dtype(q.dtype)
 
@@ -101,7 +101,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, operand: torch.dtype, acc: torch.d
     exercise it."""
     if operand == acc:
         return a.to(acc) @ b.to(acc)
-    if a.is_cuda:
+    if a.device.type == "cuda":
         out = torch.bmm(a.to(operand).flatten(0, -3), b.to(operand).flatten(0, -3), out_dtype=acc)
         return out.unflatten(0, a.shape[:-2])
     return a.to(operand).to(acc) @ b.to(operand).to(acc)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
+from ..fake_cuda import is_fake
 from .blocked_attention import OWN_SEGMENT, OwnKeyRule, autocast_off, compute_dtype
 
 FUSED_PATHS = {"cpu": "fused_flash_cpu", "cuda": "fused_flash_cuda"}  # per device: the path name the dispatch counts
@@ -72,8 +73,13 @@ def planned_fused_dtype(
     ``FLASH_MAX_HEAD_DIM``)."""
     if device_type != "cuda" or torch.cuda.is_available():
         return fused_kernel_dtype(torch.device(device_type), dtype, q_heads, kv_heads, qk_dim, v_dim)
-    limits = dtype in (torch.float16, torch.bfloat16) and qk_dim % 8 == 0 and qk_dim <= FLASH_MAX_HEAD_DIM
-    return dtype if v_dim == qk_dim and limits else None
+    return dtype if v_dim == qk_dim and _flash_documented(dtype, qk_dim) else None
+
+
+def _flash_documented(dtype: torch.dtype, dim: int) -> bool:
+    """flash's documented training limits (sm80+): fp16/bf16, head dim a multiple of 8 and at most
+    ``FLASH_MAX_HEAD_DIM``."""
+    return dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= FLASH_MAX_HEAD_DIM
 
 
 def _kernel_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
@@ -91,12 +97,15 @@ def _flash_accepts(device: torch.device, dtype: torch.dtype, q_heads: int, kv_he
     accepts any dim up to 256. The rest is asked on small stand-in tensors that require gradients (lengths do not
     enter its limits, and some GPUs take head dims in the forward only), under grad mode whatever the caller's: the
     training limits apply only where grad mode is on, and the answer is cached per arguments, not per grad mode.
+    A dry run's fake CUDA device (``fake_cuda``) has no GPU to ask: the documented limits answer.
     """
     if dim % 8:
         return False
     with torch.enable_grad():
         q = torch.empty(1, q_heads, 8, dim, device=device, dtype=dtype, requires_grad=True)
         k = torch.empty(1, kv_heads, 8, dim, device=device, dtype=dtype, requires_grad=True)
+        if is_fake(q):
+            return _flash_documented(dtype, dim)
         return all(can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, causal, q_heads != kv_heads))
                    for causal in (False, True))
 
@@ -147,7 +156,7 @@ def _kernel_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """(out [B, Hq, N, D], logsumexp [B, Hq, N], what the CUDA backward needs besides) of one kernel call."""
-    if q.is_cuda:
+    if q.device.type == "cuda":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
@@ -163,7 +172,7 @@ def _kernel_backward(
     """(dq, dk, dv) of one kernel call in the kernel dtype, given the (global) ``out`` and ``lse`` laid out as
     ``_backward_rows`` makes them. ``k``/``v`` may be a block of the keys of the forward call that returned
     ``extra``: the dense CUDA kernel reads lengths from the shapes, and ``max_k`` is this call's."""
-    if q.is_cuda:
+    if q.device.type == "cuda":
         cum_q, cum_k, max_q, _, seed, offset = extra
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, k.shape[-2], 0.0, causal, seed, offset, scale=scale
@@ -191,7 +200,7 @@ def _backward_rows(part: _Part, shared: bool, q, grad_out, out, lse) -> list[tor
     d(output)/output laid out by ``_kernel_layout`` and the logsumexp contiguous (flash indexes it so), made once
     per part, not per key block; the CPU kernel reads any strides."""
     rows = _part_rows(part, shared, q, grad_out, out, lse)
-    if q.is_cuda:
+    if q.device.type == "cuda":
         rows = [rows[0], _kernel_layout(rows[1]), _kernel_layout(rows[2]), rows[3].contiguous()]
     return rows
 

@@ -100,7 +100,7 @@ class StagedCopies:
             self.buffer = host_zeros((self.nbytes,), torch.uint8)
         staged = self.buffer[:size].view(tensor.dtype).view(tensor.shape)
         event = None
-        if tensor.is_cuda:
+        if tensor.device.type == "cuda":
             if self.stream is None:
                 self.stream = torch.cuda.Stream(tensor.device)
             self.stream.wait_stream(torch.cuda.current_stream(tensor.device))  # after the kernels that made it

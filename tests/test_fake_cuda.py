@@ -1,0 +1,94 @@
+"""verl_longstraw.fake_cuda, the dry run's private torch pieces, pinned one by one on the installed torch: fake CUDA
+tensors that index, run autograd and take flash attention; real CPU tensors that stay real; the byte meter; the
+FLOP count; the fake process group; the CUDA runtime stand-ins, restored on exit."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.nn import functional as F
+
+from verl_longstraw import fake_cuda
+
+
+def test_cuda_tensors_are_fake_index_and_backpropagate_while_cpu_tensors_stay_real():
+    meter = fake_cuda.DeviceBytes()
+    mode = fake_cuda.FakeCuda(meter)
+    ids = torch.arange(10)
+    with fake_cuda.fake_cuda_runtime(), mode:
+        assert int(ids.max()) == 9  # a real CPU tensor: its values are read on the host
+        w = torch.empty(4, 8, device=fake_cuda.CUDA, requires_grad=True)
+        before = meter.current
+        x = ids.to(w.device)
+        assert fake_cuda.is_fake(x) and x.device == fake_cuda.CUDA and not fake_cuda.is_fake(ids)
+        y = w[1:3, ..., None]  # C++ indexing wants a device guard a CPU build has no CUDA one of
+        w2 = torch.zeros(4, 8, device=fake_cuda.CUDA)
+        w2[:, torch.tensor([0, 1], device=fake_cuda.CUDA)] = 1.0
+        (y * 2).sum().backward()  # autograd's gradient accumulator for a CUDA leaf
+        assert w.grad.shape == (4, 8) and w.grad.device == fake_cuda.CUDA
+        assert meter.current - before >= x.numel() * 8 + w2.numel() * 4  # what the block made and still holds
+        del x, w2
+        assert meter.current - before == w.grad.numel() * 4
+
+
+def test_the_meter_frees_counts_views_once_and_keeps_phase_peaks():
+    meter = fake_cuda.DeviceBytes()
+    with fake_cuda.fake_cuda_runtime(), fake_cuda.FakeCuda(meter):
+        with meter.phase("a"):
+            x = torch.empty(1024, device=fake_cuda.CUDA)  # 4 KiB
+            view = x[:10].view(2, 5)
+            del x
+            assert meter.current == 4096  # the view keeps the whole storage, counted once
+            del view
+        with meter.phase("b"):
+            torch.empty(256, device=fake_cuda.CUDA)
+    assert meter.phases == {"a": 4096, "b": 1024} and meter.current == 0
+    assert meter.largest == 4096 and meter.largest_numel == 1024
+
+
+def test_attention_takes_the_gpus_kernel_and_its_flops_are_counted():
+    mode = fake_cuda.FakeCuda(fake_cuda.DeviceBytes())
+    with fake_cuda.fake_cuda_runtime(), mode:
+        q = torch.empty(1, 8, 4096, 128, device=fake_cuda.CUDA, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, 2, 4096, 128, device=fake_cuda.CUDA, dtype=torch.bfloat16, requires_grad=True)
+        out = F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        assert "Flash" in type(out.grad_fn).__name__  # not the math path, whose scores are [B, H, T, T]
+        assert mode.meter.peak < 8 * 4096 * 4096  # far below one float32 score matrix per head
+        assert mode.flops == 4 * 8 * 4096 * 4096 * 128  # torch's formula: two matmuls, causal or not
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    args = (torch.empty(1, 8, 16, 64), torch.empty(1, 8, 16, 64))
+    assert fake_cuda.sdp_backend(args[0], *args, attn_mask=torch.empty(16, 16)) == 2  # masks: memory-efficient
+    assert fake_cuda.sdp_backend(torch.empty(1, 8, 16, 192), torch.empty(1, 8, 16, 192), args[1]) == 2
+    assert fake_cuda.sdp_backend(torch.empty(1, 8, 16, 12), torch.empty(1, 8, 16, 12), torch.empty(1, 8, 16, 12)) == 0
+
+
+def test_materialize_keeps_ties_and_the_runtime_is_restored():
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    mode = fake_cuda.FakeCuda()
+    fake_cuda.materialize(model, mode)
+    assert all(fake_cuda.is_fake(p) and p.device == fake_cuda.CUDA for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    available, sdpa = torch.cuda.is_available(), F.scaled_dot_product_attention
+    with fake_cuda.fake_cuda_runtime():
+        assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        torch.cuda.Stream().record_event().synchronize()
+        assert torch.cuda.cudart().cudaHostRegister(0, 8, 0) == 0
+    assert torch.cuda.is_available() == available and F.scaled_dot_product_attention is sdpa
+
+
+def test_the_fake_process_group_answers_collectives_and_objects():
+    with fake_cuda.fake_process_group(4, rank=1) as group:
+        assert dist.get_world_size(group) == 4 and dist.get_rank(group) == 1
+        out = torch.empty(8)
+        dist.all_gather_into_tensor(out, torch.ones(2), group=group)
+        objects = [None] * 4
+        with fake_cuda.FakeCuda():
+            dist.all_gather_object(objects, {"rank": 1}, group=group)
+        assert objects == [{"rank": 1}] * 4  # every rank agrees with this one
+    assert not dist.is_initialized()

@@ -1,0 +1,378 @@
+"""CUDA tensors without a GPU, for the dry run (``verl_longstraw.dryrun``): the one module holding the private torch
+pieces it needs (``torch._subclasses.fake_tensor``, the "fake" process-group backend, ``torch.cuda``'s names);
+tests/test_fake_cuda.py pins each. It imports nothing of the package.
+
+``FakeCuda`` is a ``FakeTensorMode`` in which ``device="cuda"`` tensors exist as shapes, dtypes and strides only
+(no memory, no compute: each op runs its meta kernel) and ops whose inputs are all real CPU tensors still run for
+real, so validation and the plan read the real token ids. On a CPU-only torch build three things stand in the way
+of autograd and indexing on such tensors, and the mode answers them:
+- C++ asks a tensor's device through ``prim.device`` and then wants CUDA's device guard, which a CPU build lacks
+  (``x[i]``, ``x[i] = y`` and autograd's gradient accumulators fail with "not linked with support for cuda
+  devices"): the mode answers ``meta`` to C++ while Python's ``tensor.device`` stays ``cuda:0`` (FakeTensor's own
+  property), so every Python branch on the device type takes its CUDA side;
+- composite C++ ops then build tensors with the meta device of ``tensor.options()``: the mode makes them cuda;
+- ``torch.cuda`` streams and events (the host copies of ``state.host``) do not exist: ``fake_cuda_runtime`` gives
+  no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it.
+
+``fake_process_group(world, rank)`` is torch's "fake" backend: every collective returns at once with the right
+shapes (an all-gather hands every rank this rank's input; under ``FakeCuda`` tensors hold nothing, and
+``all_gather_object`` runs outside the mode: its pickles travel in real CPU tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+CUDA = torch.device("cuda", 0)
+_SDPA = F.scaled_dot_product_attention
+_META = torch.device("meta")
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no data (a dry run's): reading its values is not possible."""
+    return isinstance(tensor, FakeTensor)
+
+
+class FakeCuda(FakeTensorMode):
+    """``with FakeCuda():`` device="cuda" tensors are fake (see the module docstring); real CPU tensors stay real.
+
+    ``meter`` (a ``DeviceBytes``), when given, counts the fake device storages the ops allocate; ``flops`` sums the
+    FLOPs of the ops on fake tensors by torch's formulas (``torch.utils.flop_counter``'s registry, what
+    ``FlopCounterMode`` counts: matmuls, convolutions, attention kernels), without ``FlopCounterMode``'s module
+    hooks, which keep activations alive past activation checkpointing."""
+
+    def __init__(self, meter: DeviceBytes | None = None) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.meter = meter
+        self.flops = 0
+
+    @property
+    def avoid_device_init(self) -> bool:
+        """Never copy a constant to a real CUDA device (FakeTensorMode asks ``torch.cuda.is_available()``, which
+        ``fake_cuda_runtime`` answers True)."""
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default:
+            return _META  # C++ callers only: Python's tensor.device is FakeTensor.fake_device
+        kwargs = kwargs or {}
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
+            kwargs = {**kwargs, "device": CUDA}  # a composite op's tensor.options()
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda") for x in leaves):
+            with unset_fake_temporarily():  # real CPU tensors only: run for real
+                return func(*args, **kwargs)
+        workspace = _flash_backward_workspace(*args) if func is _FLASH_BACKWARD else ()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        del workspace
+        if self.meter is not None:
+            self.meter.saw(leaves, out, func)
+        if func._overloadpacket in flop_registry:
+            self.flops += _flops(func, args, kwargs, out)
+        return out
+
+
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+
+
+def _flops(func, args: tuple, kwargs: dict, out) -> int:
+    """torch's FLOP formula of ``func`` (``flop_registry``); an attention op with fewer key heads than query heads,
+    which older formulas refuse (torch 2.11: "query/key/value shapes are incompatible"), as its expanded heads."""
+    count = flop_registry[func._overloadpacket]
+    try:
+        return count(*args, **kwargs, out_val=out)
+    except AssertionError:
+        tensors = [x for x in args if isinstance(x, torch.Tensor) and x.dim() == 4]
+        heads = max(x.shape[1] for x in tensors)
+        grown = [x.new_empty(x.shape[0], heads, *x.shape[2:]) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
+                 for x in args]  # shapes only: fake
+        return count(*grown, **kwargs, out_val=out)
+
+
+def _flash_backward_workspace(grad_out, query, key, *args) -> tuple[torch.Tensor, ...]:
+    """The device memory CUDA's flash backward allocates inside the kernel call besides its outputs (flash-attention
+    2's ``mha_bwd``, which torch's flash op runs: ``softmax_d`` [B, H, Tq rounded to 128] and ``dq_accum``
+    [B, Tq rounded, H, D rounded to 32] in float32, and with fewer key heads than query heads ``dk_expanded`` and
+    ``dv_expanded`` [B, Tk, H, D] in the inputs' dtype), made here so the meter sees them beside the outputs.
+    Layout [B, H, T, D] as the op takes it."""
+    batch, heads, queries, dim = query.shape
+    rows = -(-queries // 128) * 128
+    made = [query.new_empty(batch, heads, rows, dtype=torch.float32),
+            query.new_empty(batch, rows, heads, -(-dim // 32) * 32, dtype=torch.float32)]
+    if key.shape[1] != heads:
+        made += [key.new_empty(batch, key.shape[2], heads, dim) for _ in range(2)]
+    return tuple(made)
+
+
+def sdp_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                enable_gqa=False) -> int:
+    """The ``torch.nn.attention.SDPBackend`` that ``scaled_dot_product_attention`` picks for these CUDA inputs on an
+    sm80+ GPU, in torch's order (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, its documented limits): flash
+    for half inputs without a mask, one head dim for q, k, v, a multiple of 8 up to 256 (grouped heads too);
+    else memory-efficient attention for q, k of one head dim and v's, each a multiple of 8 (masks too, grouped
+    heads not); else math."""
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    qk, v = query.shape[-1], value.shape[-1]
+    if half and attn_mask is None and qk == key.shape[-1] == v and qk % 8 == 0 and qk <= 256:
+        return int(SDPBackend.FLASH_ATTENTION)
+    grouped = enable_gqa and query.shape[-3] != key.shape[-3]
+    if query.dtype in (*(torch.float16, torch.bfloat16), torch.float32) and qk == key.shape[-1] and qk % 8 == 0 \
+            and v % 8 == 0 and not grouped:
+        return int(SDPBackend.EFFICIENT_ATTENTION)
+    return int(SDPBackend.MATH)
+
+
+def _cuda_sdpa(*args, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of a dry run: on fake CUDA tensors the kernel a GPU would take
+    (``sdp_backend``; C++ picks the backend from the device it is told, meta under ``FakeCuda``, and would run the
+    math path, which materialises the scores); anything else as torch does."""
+    if not isinstance(args[0], FakeTensor):
+        return _SDPA(*args, **kwargs)
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
+    backend = sdp_backend(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if backend == int(SDPBackend.FLASH_ATTENTION):
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                                  scale=scale)[0]
+    if backend == int(SDPBackend.EFFICIENT_ATTENTION):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa converts it: an additive bias
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)[0]
+    return _SDPA(*args, **kwargs)
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Identity of a fake tensor's storage while it lives (meta storages have no data pointer to tell them apart)."""
+    return tensor.untyped_storage()._cdata
+
+
+class DeviceBytes:
+    """Bytes of the fake device storages ops allocate: ``current`` (alive now), ``peak`` since the last
+    ``reset_peak`` and the peak of each phase (``phase(name)``: ``phases[name]``), the largest storage seen
+    (``largest``, bytes) and the most elements of one tensor (``largest_numel``). A storage counts from the op that
+    returns it until it is freed; views and in-place results of storages that existed before are not new
+    (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters) are not counted.
+
+    Each storage gets a serial number; the storages alive at each peak are kept (``at_peak``, ``phase_at_peak``:
+    serial -> (bytes, "op shape dtype")), so bytes found out later to belong elsewhere (a parameter's gradient,
+    ``serial``) can be taken out of a peak (``peak_without``)."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, tuple[int, int, str]] = {}  # storage id -> (serial, bytes, what made it)
+        self._serials = 0
+        self.current = 0
+        self.peak = 0
+        self.largest = 0
+        self.largest_numel = 0
+        self.phases: dict[str, int] = {}
+        self.at_peak: dict[int, tuple[int, str]] = {}
+        self.phase_at_peak: dict[str, dict[int, tuple[int, str]]] = {}
+        self._phase: str | None = None
+        self._rising: set[str | None] = set()  # peaks (None: the step's, else a phase's) reached since the last free
+
+    def settle(self) -> None:
+        """Keep what is alive for the peaks reached since the last free (a peak's storages are those alive just
+        before the first free after it: one copy per rise, not per allocation)."""
+        if self._rising:
+            alive = self._alive()
+            for name in self._rising:
+                if name is None:
+                    self.at_peak = alive
+                else:
+                    self.phase_at_peak[name] = alive
+            self._rising = set()
+
+    def _release(self, key: int) -> None:
+        self.settle()
+        self.current -= self._live.pop(key)[1]
+
+    def serial(self, tensor: torch.Tensor) -> int | None:
+        """The serial number of ``tensor``'s storage, None where the meter did not see it made."""
+        entry = self._live.get(storage_id(tensor))
+        return None if entry is None else entry[0]
+
+    def _alive(self) -> dict[int, tuple[int, str]]:
+        return {serial: (nbytes, made_by) for serial, nbytes, made_by in self._live.values()}
+
+    def saw(self, inputs: list, out, func=None) -> None:
+        given = {storage_id(x) for x in inputs if isinstance(x, FakeTensor)}
+        for x in pytree.tree_leaves(out):
+            if not isinstance(x, FakeTensor):
+                continue
+            self.largest_numel = max(self.largest_numel, x.numel())
+            key = storage_id(x)
+            if key in given or key in self._live:
+                continue
+            storage = x.untyped_storage()
+            self._serials += 1
+            self._live[key] = (self._serials, storage.nbytes(), f"{func} {tuple(x.shape)} {x.dtype}")
+            self.current += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
+            weakref.finalize(storage, self._release, key)
+        self._peaked()
+
+    def _peaked(self) -> None:
+        if self.current > self.peak:
+            self.peak = self.current
+            self._rising.add(None)
+        if self._phase is not None and self.current > self.phases.get(self._phase, -1):
+            self.phases[self._phase] = self.current
+            self._rising.add(self._phase)
+
+    def reset_peak(self) -> None:
+        self.settle()
+        self.peak, self.at_peak = self.current, self._alive()
+
+    @staticmethod
+    def without(alive: dict[int, tuple[int, str]], serials: set[int]) -> int:
+        """Bytes of the storages ``alive`` (a peak's, after ``settle``) less those numbered in ``serials``."""
+        return sum(nbytes for serial, (nbytes, _) in alive.items() if serial not in serials)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Within the block, also track the peak of phase ``name`` (``phases[name]``, the most bytes alive)."""
+        outer, self._phase = self._phase, name
+        self._peaked()
+        try:
+            yield
+        finally:
+            self.settle()
+            self._phase = outer
+
+
+def materialize(model: nn.Module, mode: FakeCuda) -> nn.Module:
+    """``model`` (built on the meta device) with every parameter and buffer replaced by a fake cuda tensor of its
+    shape and dtype, tied parameters staying tied; ``requires_grad`` kept. In place; returns ``model``."""
+    fakes: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    if id(param) not in fakes:
+                        fakes[id(param)] = nn.Parameter(torch.empty_like(param, device=CUDA),
+                                                        requires_grad=param.requires_grad)
+                    module._parameters[name] = fakes[id(param)]
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = torch.empty_like(buffer, device=CUDA)
+    return model
+
+
+class _Stream:
+    """``torch.cuda.Stream`` of a dry run: work on it is the fake ops' (none)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None) -> _Event:
+        return event or _Event()
+
+
+class _Event:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _Cudart:
+    """``torch.cuda.cudart()`` of a dry run: registering host memory (pinning) succeeds and does nothing."""
+
+    @staticmethod
+    def cudaHostRegister(address: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        return 0
+
+    @staticmethod
+    def cudaHostUnregister(address: int) -> int:  # noqa: N802
+        return 0
+
+
+@contextlib.contextmanager
+def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """``torch.cuda`` as the dry run's CUDA code reads it: available, one device named ``name`` of compute
+    capability ``capability``, streams and events that do nothing (``torch.cuda.stream(s)`` a no-op context,
+    ``Tensor.record_stream`` too), host memory registration (pinning) that succeeds, no real CUDA tensor made to
+    start a context (``fake_tensor.init_gpu_context``, which a CUDA build of torch runs); and
+    ``F.scaled_dot_product_attention`` taking the GPU's kernel on fake tensors (``_cuda_sdpa``)."""
+    cuda = torch.cuda
+    names = ("is_available", "Stream", "Event", "stream", "current_stream", "device_count", "get_device_capability",
+             "get_device_name", "cudart")
+    saved = {name: getattr(cuda, name) for name in names}
+    record_stream = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda tensor, stream: None
+    init_gpu_context = fake_tensor.init_gpu_context  # makes a real CUDA tensor when CUDA looks available
+    fake_tensor.init_gpu_context = lambda device: None
+    F.scaled_dot_product_attention = _cuda_sdpa
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 1
+    cuda.get_device_capability = lambda device=None: capability
+    cuda.get_device_name = lambda device=None: name
+    cuda.Stream, cuda.Event, cuda.cudart = _Stream, _Event, _Cudart
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.current_stream = lambda device=None: _Stream()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cuda, name, value)
+        torch.Tensor.record_stream = record_stream
+        fake_tensor.init_gpu_context = init_gpu_context
+        F.scaled_dot_product_attention = _SDPA
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """The default process group of ``world`` ranks as rank ``rank`` sees it, on torch's "fake" backend: every
+    collective returns at once; yields the group. Destroys it on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run's fake process group needs no other default process group in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    gather_objects = dist.all_gather_object
+
+    def all_gather_object(*args, **kwargs):  # pickled objects travel in real CPU tensors, not fake ones
+        with unset_fake_temporarily():
+            return gather_objects(*args, **kwargs)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.all_gather_object = gather_objects
+        dist.destroy_process_group()
