@@ -63,7 +63,7 @@ from .lora import base_model
 from .mixers import LayerCall, Saves, layer_needs_output
 from .parallel import experts as parallel_experts
 from .plan import Plan, star_plan
-from .score import SCORE_CHUNK_BYTES
+from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
@@ -73,11 +73,12 @@ MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
 SCORE_TRANSIENT_CHUNKS = 3
 
 
-def score_transient_bytes(vocab_size: int, rows: int) -> int:
+def score_transient_bytes(vocab_size: int, rows: int, head_gradient: int = 0) -> int:
     """Bytes ``score.score`` holds at once while it scores ``rows`` rows: ``SCORE_TRANSIENT_CHUNKS`` float32
-    [chunk rows, vocab] tensors, a chunk being ``SCORE_CHUNK_BYTES`` of float32 logits (fewer rows if fewer)."""
+    [chunk rows, vocab] tensors, a chunk being ``SCORE_CHUNK_BYTES`` of float32 logits (fewer rows if fewer), and
+    in its backward ``head_gradient`` bytes (``score.head_gradient_bytes`` where the LM head is trained, else 0)."""
     chunk_rows = max(1, SCORE_CHUNK_BYTES // (4 * vocab_size))
-    return SCORE_TRANSIENT_CHUNKS * 4 * vocab_size * min(rows, chunk_rows)
+    return SCORE_TRANSIENT_CHUNKS * 4 * vocab_size * min(rows, chunk_rows) + head_gradient
 GIB = 2**30
 
 
@@ -394,6 +395,8 @@ def estimate_plan(
         return saved, pass_q
 
     hidden_bytes = config.hidden_size * layers.act  # per token: the final hidden states ``score`` saves
+    head = adapter.lm_head.weight  # its gradient's float32 sum exists while a backward scores (a trained head)
+    head_gradient = head_gradient_bytes(head.shape[0], head.shape[1], dtype) if head.requires_grad else 0
     replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
     batch_most, call_tokens = 1, 0
     for step in plan.steps(mode):
@@ -409,7 +412,7 @@ def estimate_plan(
             if saved > replay:
                 replay, replay_pass_q = saved, pass_q
             replay_transient = max(replay_transient, layers.transient(calls))
-            score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens),
+            score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens, head_gradient),
                               layers.score_block(calls))
             batch_most = max(batch_most, batch)
             call_tokens = max(call_tokens, batch * tokens)
@@ -424,7 +427,8 @@ def estimate_plan(
         calls = layers.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
         score_block = max(score_block, layers.score_block(calls))
         if segment.scored:
-            score_block = max(score_block, score_transient_bytes(config.vocab_size, own))
+            head_sum = head_gradient if step.phase == "recompute" else 0  # a capture runs no backward
+            score_block = max(score_block, score_transient_bytes(config.vocab_size, own, head_sum))
         if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient
             own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
             held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)

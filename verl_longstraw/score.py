@@ -43,7 +43,8 @@ class _LinearScore(torch.autograd.Function):
     """Autograd function behind ``score``: (log-probs [T], entropy [T] or [0]) of ``hidden`` [T, H] under the
     LM head (``weight`` [vocab, H], ``bias``), a row chunk at a time. Saves ``hidden``, the head's parameters and
     ``targets``; the backward recomputes each chunk's logits and log-softmax under the forward's autocast state
-    and sums the head's gradient in float32 (float64 for a float64 head)."""
+    and sums the head's gradient in place in float32 (float64 for a float64 head), each chunk's product from float32
+    copies of its factors: no [vocab, H] temporary per chunk (``head_gradient_bytes``)."""
 
     @staticmethod
     def forward(
@@ -94,11 +95,11 @@ class _LinearScore(torch.autograd.Function):
                 grad = grad + grad_entropy[rows, None] * (log_probs + entropy)
             grad = probs.mul_(-grad).scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
             grad_logits = grad.div_(ctx.temperature).to(logits.dtype)  # as autograd rounds it through .float()
-            with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
-                if need_hidden:
+            if need_hidden:
+                with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
                     grad_hidden[rows] = grad_logits @ weight
-                if need_weight:
-                    grad_weight += (grad_logits.t() @ hidden[rows]).to(sum_dtype)
+            if need_weight:  # in place: no [vocab, H] temporary per row chunk (head_gradient_bytes)
+                grad_weight.addmm_(grad_logits.t().to(sum_dtype), hidden[rows].to(sum_dtype))
             if need_bias:
                 grad_bias += grad_logits.to(sum_dtype).sum(0)
         return (
@@ -107,6 +108,12 @@ class _LinearScore(torch.autograd.Function):
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None, None, None, None,
         )
+
+
+def head_gradient_bytes(vocab_size: int, hidden_size: int, head_dtype: torch.dtype) -> int:
+    """Bytes ``score``'s backward holds for the LM head's weight gradient besides the gradient it hands over: the
+    float32 sum [vocab, H] (float64 for a float64 head) that every row chunk's product adds into in place."""
+    return vocab_size * hidden_size * torch.promote_types(head_dtype, torch.float32).itemsize
 
 
 def score(

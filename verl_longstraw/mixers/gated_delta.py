@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gated_delta_rule import gated_delta_rule
+from ..ops.gated_delta_rule import FLA_CHUNK, gated_delta_rule, kernel_path
 from ..parallel.gated_delta import sharded_gated_delta_rule
 from ..state import Fixed, LayerState
 from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, conv_input, per_sequence
@@ -95,23 +95,37 @@ class GatedDelta(MixerOp):
         return m.out_proj(out.reshape(batch, seq_len, -1)), (new_conv_state, new_recurrent_state)
 
     def _rule_token_bytes(self, value_dim: int, saves: RuleSaves, compute: int) -> float:
-        """Bytes the chunked rule keeps per (padded) token for values of ``value_dim`` per head."""
+        """Bytes the plain chunked rule keeps per (padded) token for values of ``value_dim`` per head."""
         return self.heads * (saves.key * self.k_dim + saves.value * value_dim + saves.chunk * CHUNK_LEN) * compute
 
+    def _fla_token_bytes(self, value_dim: int, act: int) -> int:
+        """Bytes flash-linear-attention's kernel keeps per token for values of ``value_dim`` per head
+        (``ops.gated_delta_rule.FlaShapes``): the L2-normed q, k, v, beta and the triangular solve [64] in the model
+        dtype, the inverse norms and the cumulative decay in float32; no padding."""
+        return (act * (2 * self.key_heads * self.k_dim + self.heads * (value_dim + FLA_CHUNK + 1))
+                + 4 * (2 * self.key_heads + self.heads))
+
     def saves(self, call: LayerCall) -> Saves:
-        """The projections' and the rule's per-token saves (calibrated), the rule's padding to whole chunks, and
-        under CP for a prompt chunk the affine merge: the summary run of the rule on values [v | 0] (Dv + Dk per
-        head) over the padded tokens, and the R gathered summaries [Dk, Dv + Dk] with the R start states
-        [Dk, Dv]. The recurrence runs whether or not the output is needed."""
+        """The projections' per-token saves (calibrated) and the rule's: flash-linear-attention's on half CUDA
+        inputs (``kernel_path``), else the plain chunked rule's (calibrated) with its padding to whole chunks; under
+        CP for a prompt chunk the affine merge: the summary run of the rule on values [v | 0] (Dv + Dk per head)
+        over the (padded) tokens, and the R gathered summaries [Dk, Dv + Dk] with the R start states [Dk, Dv]. The
+        recurrence runs whether or not the output is needed."""
         widths = self.key_heads * self.k_dim + self.heads * self.v_dim
         compute = call.compute.itemsize
-        per_token = (call.act * PROJECTION_SAVES * widths
-                     + 4 * (FLOAT32_SAVES * 2 * widths + RULE.chunk * self.heads * CHUNK_LEN))
-        total = call.batch * call.tokens * per_token
-        total += call.batch * (-call.tokens % CHUNK_LEN) * self._rule_token_bytes(self.v_dim, RULE, compute)
+        fla = kernel_path(call.device_type, call.dtype) == "fla"
+        if fla:
+            rule = self._fla_token_bytes(self.v_dim, call.act)
+        else:
+            rule = 4 * (FLOAT32_SAVES * 2 * widths + RULE.chunk * self.heads * CHUNK_LEN)
+        total = call.batch * call.tokens * (call.act * PROJECTION_SAVES * widths + rule)
+        padding = 0 if fla else -call.tokens % CHUNK_LEN
+        total += call.batch * padding * self._rule_token_bytes(self.v_dim, RULE, compute)
         if call.consecutive and call.cp_size > 1:
-            padded = call.tokens + (-call.tokens % CHUNK_LEN)
-            total += padded * self._rule_token_bytes(self.v_dim + self.k_dim, SUMMARY, compute)
+            if fla:
+                total += call.tokens * self._fla_token_bytes(self.v_dim + self.k_dim, call.act)
+            else:
+                total += (call.tokens + padding) * self._rule_token_bytes(self.v_dim + self.k_dim, SUMMARY, compute)
             total += call.cp_size * self.heads * self.k_dim * (2 * self.v_dim + self.k_dim) * compute
         return Saves(int(total))
 

@@ -25,11 +25,13 @@ load it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import itertools
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +162,93 @@ def _chunked(
     return out.transpose(1, 2), state
 
 
+FLA_CHUNK = 64  # flash-linear-attention's chunk length (fixed in its kernels)
+_STAND_INS: list[Callable] = []
+RULE_PATHS: Counter[str] = Counter()  # calls of gated_delta_rule per path it took ("fla", "fla_shapes", "torch")
+
+
+class FlaShapes(torch.autograd.Function):
+    """flash-linear-attention's ``chunk_gated_delta_rule`` as shapes only, for a dry run's fake CUDA tensors
+    (``verl_longstraw.dryrun``; fla's Triton kernels have no fake implementation): the tensors it returns, saves for
+    backward and makes in between, with their shapes and dtypes, read in fla's ``ChunkGatedDeltaRuleFunction``
+    (fla-org/flash-linear-attention, fla/ops/gated_delta_rule/chunk.py, 2025): it saves the L2-normed q, k (and
+    their float32 inverse norms), v, the float32 chunk-local cumulative decay, beta and the triangular solve A
+    [B, T, HV, 64] in k's dtype; the forward and the backward each make the WY factors w [B, T, HV, Dk], u like v,
+    the chunk states h [B, T / 64, HV, Dk, Dv] in k's dtype and the new values like v (the backward also dh in
+    float32, dv and the gradients). Values are never computed: ``torch.empty``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        batch, tokens, heads, _ = q.shape
+        v_heads = v.shape[2]
+        rstd = q.new_empty(batch, tokens, heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else None
+        if use_qk_l2norm_in_kernel:
+            q, k = torch.empty_like(q), torch.empty_like(k)
+        g = g.new_empty(batch, tokens, v_heads, dtype=torch.float32)
+        a = q.new_empty(batch, tokens, v_heads, FLA_CHUNK, dtype=torch.float32)
+        a = torch.empty_like(a, dtype=k.dtype)
+        _chunk_states(k, v)
+        ctx.save_for_backward(q, rstd, k, None if rstd is None else torch.empty_like(rstd), v, g, beta, a,
+                              initial_state)
+        final = v.new_empty(batch, v_heads, q.shape[-1], v.shape[-1], dtype=torch.float32)
+        return torch.empty_like(v), final
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        q, _, k, _, v, g, beta, _, initial_state = ctx.saved_tensors
+        _chunk_states(k, v)
+        dh = _chunk_states(k, v, torch.float32)
+        del dh
+        d_initial = None if initial_state is None else torch.empty_like(initial_state)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+                torch.empty_like(beta), None, d_initial, None, None)
+
+
+def _chunk_states(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fla's transients of one pass: w, u, the chunk states h (returned) and the new values."""
+    batch, tokens, _, k_dim = k.shape
+    v_heads, v_dim = v.shape[2:]
+    w = k.new_empty(batch, tokens, v_heads, k_dim)
+    u, v_new = torch.empty_like(v), torch.empty_like(v)
+    h = k.new_empty(batch, -(-tokens // FLA_CHUNK), v_heads, k_dim, v_dim, dtype=dtype or k.dtype)
+    del w, u, v_new
+    return h
+
+
+def fla_shapes(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False):
+    """``FlaShapes`` called as fla's ``chunk_gated_delta_rule`` is."""
+    return FlaShapes.apply(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+
+@contextlib.contextmanager
+def fla_stand_in(kernel: Callable) -> Iterator[None]:
+    """Inside the block, CUDA inputs take ``kernel`` where they would take flash-linear-attention's
+    ``chunk_gated_delta_rule`` (fla >= 0.5: grouped value heads natively): a dry run's ``fla_shapes``."""
+    _STAND_INS.append(kernel)
+    try:
+        yield
+    finally:
+        _STAND_INS.remove(kernel)
+
+
+def kernel_path(device_type: str, dtype: torch.dtype) -> str:
+    """The path ``gated_delta_rule`` takes for inputs of ``dtype`` on a ``device_type`` device: "fla" (its CUDA
+    kernel, or a dry run's ``fla_shapes``) for half-precision CUDA inputs where flash-linear-attention is installed,
+    or where no GPU is visible to ask (a plan for GPUs made on a CPU host assumes the ``[gpu]`` extra); else
+    "torch" (the plain chunked rule)."""
+    if device_type != "cuda" or dtype not in _FLA_DTYPES:
+        return "torch"
+    if _STAND_INS or not torch.cuda.is_available():
+        return "fla"
+    return "fla" if _fla_chunk_gated_delta_rule() is not None else "torch"
+
+
+def _fla_kernel() -> Callable | None:
+    """The stand-in where one is set, else flash-linear-attention's kernel (None: not installed)."""
+    return _STAND_INS[-1] if _STAND_INS else _fla_chunk_gated_delta_rule()
+
+
 @functools.cache
 def _fla_chunk_gated_delta_rule() -> Callable | None:
     """flash-linear-attention's kernel, or None when it is not installed or its import fails in any other way
@@ -222,14 +311,16 @@ def gated_delta_rule(
     ignored there); everything else takes the plain torch path. The path taken is logged once.
     """
     groups = _value_groups(q, k, v)
-    if q.is_cuda and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
-        fla_kernel = _fla_chunk_gated_delta_rule()
+    if q.device.type == "cuda" and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
+        fla_kernel = _fla_kernel()
         if fla_kernel is None:
             _log_kernel_path("plain torch chunked rule", "flash-linear-attention is not installed: "
                              "pip install 'verl-longstraw[gpu]' for its CUDA kernel", logging.WARNING)
         else:
-            _log_kernel_path("flash-linear-attention chunk kernel", f"CUDA {q.dtype} inputs")
-            if groups > 1 and not _fla_takes_grouped_heads():  # fla < 0.5: no GVA in the kernel
+            _log_kernel_path("flash-linear-attention chunk kernel" + (" (shapes only)" if _STAND_INS else ""),
+                             f"CUDA {q.dtype} inputs")
+            RULE_PATHS["fla_shapes" if _STAND_INS else "fla"] += 1
+            if groups > 1 and not _STAND_INS and not _fla_takes_grouped_heads():  # fla < 0.5: no GVA
                 q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
             out, state = fla_kernel(
                 q,
@@ -243,8 +334,9 @@ def gated_delta_rule(
                 use_qk_l2norm_in_kernel=use_qk_l2norm,
             )
             return out.to(v.dtype), state.float()
-    if not q.is_cuda or q.dtype not in _FLA_DTYPES:
+    if q.device.type != "cuda" or q.dtype not in _FLA_DTYPES:
         _log_kernel_path("plain torch chunked rule", f"{q.device.type} {q.dtype} inputs")
+    RULE_PATHS["torch"] += 1
     out_dtype = v.dtype
     out, state = _chunked(*_prepare(q, k, v, g, beta, initial_state, use_qk_l2norm), chunk_size)
     return out.to(out_dtype), state
