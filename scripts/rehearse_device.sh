@@ -23,7 +23,9 @@
 # 4. `pytest -q tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64`: the ops against their
 #    references on the image's torch, and every family's float64 exact gradient on its transformers (step 2 already
 #    compares every case's log-probs and gradients with the standard path at three dtypes, so the rest of the
-#    equivalence file, which the suite runs, is not run twice). pytest is a rehearsal tool only: the image lacks it.
+#    equivalence file, which the suite runs, is not run twice); and the dry run on fake CUDA tensors with its torch
+#    pieces (tests/test_fake_cuda.py, tests/test_dryrun.py: private torch names the image's release must still have).
+#    pytest is a rehearsal tool only: the image lacks it.
 #
 # PyPI's torch 2.11.0 is its CUDA 13.0 build: libtorch_cuda.so links cudart, cuBLAS, cuDNN, cuFFT, cuFile, cuRAND,
 # cuSPARSE(+nvJitLink), cuSPARSELt, NCCL and NVSHMEM, so `import torch` fails without them even on CPU (checked:
@@ -47,6 +49,7 @@ PY="$VENV/bin/python"
 ABSENT=(verl verl-longstraw flash-linear-attention fla-core flash-attn)
 # the torch-only package parts ("P.*": every module of package P)
 IMPORTS=(verl_longstraw "verl_longstraw.ops.*" "verl_longstraw.parallel.*" verl_longstraw.estimate verl_longstraw.tiny
+         verl_longstraw.fake_cuda verl_longstraw.dryrun verl_longstraw.models
          verl_longstraw.testing verl_longstraw.testing.compare verl_longstraw.testing.scripts
          verl_longstraw.testing.fsdp_probe)
 # cuda-toolkit extras that a CPU `import torch` needs (libraries libtorch_cuda.so / libtorch_global_deps.so link)
@@ -310,9 +313,9 @@ for problem in problems:
 sys.exit(1 if problems else 0)
 PYEOF
 
-log "4/4 pytest -q tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64"
+log "4/4 pytest -q tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64 tests/test_fake_cuda.py tests/test_dryrun.py"
 "$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_core_equivalence.py::test_exact_gradient_float64 \
-    || failed+=(pytest)
+    tests/test_fake_cuda.py tests/test_dryrun.py || failed+=(pytest)
 
 if ((${#failed[@]})); then
     log "FAILED: ${failed[*]} (gpu_check's reports and output: $OUT)"

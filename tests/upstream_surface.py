@@ -28,6 +28,8 @@ TRANSFORMERS = (
     ("transformers.PretrainedConfig, transformers.<Family>Config (18 config classes)", "classes",
      "tiny.py (tiny_config)",
      (f"{CONTRACT}::test_every_family_builds_on_recent_transformers",)),
+    ("transformers.Qwen3_5TextConfig, Qwen3_5MoeTextConfig, GlmMoeDsaConfig (the named models' dims)", "classes",
+     "models.py (read by dryrun.py and the recipes' tables)", ("tests/test_dryrun.py",)),
     ("transformers.__version__, importlib.metadata.version('transformers')", "version", "ops/ssd_scan.py, "
      "parallel/transformers_ep.py, machine.py", (f"{SEAM}::test_the_installed_release_is_its_rows_generation",
                                                 "tests/test_machine.py")),

@@ -163,7 +163,7 @@ def storage_id(tensor: torch.Tensor) -> int:
 
 
 class DeviceBytes:
-    """Bytes of the fake device storages ops allocate: ``current`` (alive now), ``peak`` since the last
+    """Bytes of the fake CUDA storages ops allocate: ``current`` (alive now), ``peak`` since the last
     ``reset_peak`` and the peak of each phase (``phase(name)``: ``phases[name]``), the largest storage seen
     (``largest``, bytes) and the most elements of one tensor (``largest_numel``). A storage counts from the op that
     returns it until it is freed; views and in-place results of storages that existed before are not new
@@ -213,7 +213,7 @@ class DeviceBytes:
     def saw(self, inputs: list, out, func=None) -> None:
         given = {storage_id(x) for x in inputs if isinstance(x, FakeTensor)}
         for x in pytree.tree_leaves(out):
-            if not isinstance(x, FakeTensor):
+            if not isinstance(x, FakeTensor) or x.device.type != "cuda":
                 continue
             self.largest_numel = max(self.largest_numel, x.numel())
             key = storage_id(x)
@@ -254,6 +254,14 @@ class DeviceBytes:
         finally:
             self.settle()
             self._phase = outer
+
+
+def fake_empty(mode: FakeCuda, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A fake tensor [shape] of ``dtype`` on ``device`` (e.g. "cpu": a dry run's host memory, which ``FakeCuda``
+    would otherwise allocate for real, as it does every CPU tensor made from real ones)."""
+    with unset_fake_temporarily():  # inside FakeCuda a meta device means cuda
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, torch.device(device))
 
 
 def materialize(model: nn.Module, mode: FakeCuda) -> nn.Module:

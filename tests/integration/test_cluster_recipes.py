@@ -26,6 +26,7 @@ from omegaconf import open_dict
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
+from verl_longstraw import models
 from verl_longstraw.configs import config_dir
 from verl_longstraw.integration.config import LongStrawActorConfig, check_context_parallel
 
@@ -249,7 +250,7 @@ def test_readme_memory_tables_match_the_estimate():
         assert memory_table.rewrite(text) == text
     assert tabled == {f"{flag}{name}" for name in CLUSTER_RECIPES for flag in ("", "--sweep ")} | {
         "--model GLM-5.2 glm5_mla_multinode", "--gpu-gb 141 glm52_ep_lora", "--gpu-gb 141 qwen35_122b_ep"}
-    layout = memory_table.glm5_2().indexer_types  # GLM-5.2's table is on its layout
+    layout = models.glm5_2().indexer_types  # GLM-5.2's table is on its layout
     assert (layout.count("full"), len(layout)) == (21, 78)
 
 

@@ -323,3 +323,28 @@ def test_fla_grouped_heads_version_gate(monkeypatch, version: str, native: bool)
         assert rule._fla_takes_grouped_heads() is native
     finally:
         rule._fla_takes_grouped_heads.cache_clear()
+
+
+def test_the_dry_runs_fla_stand_in_has_the_kernels_shapes_and_path():
+    """``fla_shapes`` returns what fla's chunk_gated_delta_rule returns (output like v, float32 final state) and its
+    backward a gradient per input; inside ``fla_stand_in`` half CUDA inputs take it (``kernel_path``: "fla"), other
+    inputs the plain rule; with no GPU visible a plan for CUDA assumes fla."""
+    from verl_longstraw import fake_cuda
+    from verl_longstraw.ops import gated_delta_rule as rule
+
+    assert rule.kernel_path("cpu", torch.bfloat16) == rule.kernel_path("cuda", torch.float32) == "torch"
+    if not torch.cuda.is_available():
+        assert rule.kernel_path("cuda", torch.bfloat16) == "fla"
+    with fake_cuda.fake_cuda_runtime(), fake_cuda.FakeCuda(), rule.fla_stand_in(rule.fla_shapes):
+        q, k = (torch.empty(1, 130, 2, 16, device=fake_cuda.CUDA, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        v = torch.empty(1, 130, 4, 8, device=fake_cuda.CUDA, dtype=torch.bfloat16, requires_grad=True)
+        g, beta = (torch.empty(1, 130, 4, device=fake_cuda.CUDA, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(2))
+        before = rule.RULE_PATHS["fla_shapes"]
+        out, state = rule.gated_delta_rule(q, k, v, g, beta)
+        assert rule.RULE_PATHS["fla_shapes"] == before + 1
+        assert out.shape == v.shape and out.dtype == v.dtype
+        assert state.shape == (1, 4, 16, 8) and state.dtype == torch.float32
+        (out.float().sum() + state.sum()).backward()
+        assert all(x.grad.shape == x.shape for x in (q, k, v, g, beta))

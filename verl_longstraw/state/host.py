@@ -17,8 +17,10 @@ copy's source, held until the copy lands, beside the gradients one layer's backw
 
 from __future__ import annotations
 
+import contextlib
 import mmap
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +66,34 @@ class _Block(mmap.mmap):
             cuda.cudart().cudaHostUnregister(self.registered)
 
 
+_STAND_INS: list[Callable[[tuple[int, ...], torch.dtype], torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def host_stand_in(allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> Iterator[None]:
+    """Inside the block ``host_zeros`` returns ``allocate(shape, dtype)`` instead, counted in ``host_memory`` until
+    it is freed: a dry run's fake host tensors (``dryrun``), whose bytes are counted and never touched."""
+    _STAND_INS.append(allocate)
+    try:
+        yield
+    finally:
+        _STAND_INS.remove(allocate)
+
+
+def _release(nbytes: int) -> None:
+    host_memory.live -= nbytes
+
+
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros [shape] of ``dtype`` in host memory of exactly their bytes, pinned where CUDA is available (module
     docstring); freed (and unpinned) with the last tensor on them."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if _STAND_INS:
+        tensor = _STAND_INS[-1](shape, dtype)
+        host_memory.live += nbytes
+        host_memory.peak = max(host_memory.peak, host_memory.live)
+        weakref.finalize(tensor.untyped_storage(), _release, nbytes)
+        return tensor
     if not nbytes:
         return torch.zeros(shape, dtype=dtype)
     block = _Block(nbytes)

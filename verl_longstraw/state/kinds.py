@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .host import host_zeros
+from . import host
 
 Key = int  # a segment of the plan (``plan.Segment.index``)
 
@@ -42,7 +42,7 @@ def grad_zeros(shape: tuple[int, ...], like: torch.Tensor, on_host: bool) -> tor
     """Zeros of a gradient sum shaped ``shape``: on ``like``'s device, or in host memory of exactly their bytes
     (``host.host_zeros``: pinned where CUDA is available)."""
     dtype = grad_dtype(like.dtype)
-    return host_zeros(shape, dtype) if on_host else like.new_zeros(shape, dtype=dtype)
+    return host.host_zeros(shape, dtype) if on_host else like.new_zeros(shape, dtype=dtype)
 
 
 @dataclass(frozen=True)

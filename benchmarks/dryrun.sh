@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Dry runs of the cluster recipes' shapes on fake CUDA tensors (python -m verl_longstraw.dryrun), each one raw output
+# file under benchmarks/results/dryrun/ headed by its command, the date and this CPU (lscpu's model name): a dry run,
+# not a GPU measurement. Minutes each on a 2-core CPU.
+#
+#   bash benchmarks/dryrun.sh            # every run below
+#   bash benchmarks/dryrun.sh NAME ...   # the named ones
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PY:-.venv-cpu/bin/python}"
+OUT=benchmarks/results/dryrun
+RECIPE_27B=(--model Qwen3.5-27B --prompt-len 2097152 --chunk-size 65536 --cp-size 8 --checkpointed)
+declare -A RUNS=(
+    # qwen35_27b_1m: 2^21-token prompt, G = 8 x 8192, 8 ranks of 96 GB, exact, state gradients on the host
+    [qwen35_27b_2m_exact]="${RECIPE_27B[*]} --state-grad-on-host"
+    [qwen35_27b_2m_detached]="${RECIPE_27B[*]} --prompt-grad detached"
+    # the same layers in one process at 2^18 tokens: the chunk's layer runs 8x the tokens of a CP rank's
+    [qwen35_27b_4layers_256k_one_process]="--model Qwen3.5-27B --layers 4 --prompt-len 262144 --chunk-size 65536 --checkpointed --state-grad-on-host"
+)
+names=("$@")
+((${#names[@]})) || names=(qwen35_27b_2m_exact qwen35_27b_2m_detached qwen35_27b_4layers_256k_one_process)
+mkdir -p "$OUT"
+for name in "${names[@]}"; do
+    args="${RUNS[$name]:?unknown run $name (one of ${!RUNS[*]})}"
+    {
+        echo "# python -m verl_longstraw.dryrun $args"
+        echo "# $(date -u +%Y-%m-%dT%H:%MZ); CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+        # shellcheck disable=SC2086
+        "$PY" -W ignore -m verl_longstraw.dryrun $args 2>&1 || echo "# exit status $?"
+    } | tee "$OUT/$name.txt"
+done

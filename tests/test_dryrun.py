@@ -1,0 +1,58 @@
+"""verl_longstraw.dryrun: one rank's walks at the 27B-class hybrid's real width (its first 4 layers: 3 Gated DeltaNet,
+1 full attention) on a 65536-token prompt over 4 fake ranks, on fake CUDA tensors: no real memory grows (the host's
+state-gradient sums are fake too), every layer takes its CUDA path, the phases are measured, the pre-flight estimate
+bounds the measured peak and matches the host bytes."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+from verl_longstraw import dryrun
+from verl_longstraw.estimate import GIB
+
+STEP = dryrun.Step(65536, group_size=4, response_len=2048, chunk_size=16384, cp_size=4, checkpointed=True,
+                   state_grad_on_host=True)
+
+
+@pytest.fixture(scope="module")
+def measured() -> dryrun.Measured:
+    config = dryrun.model_config("Qwen3.5-27B", layers=4)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    result = dryrun.dry_run(config, STEP)
+    result.rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    return result
+
+
+def test_the_walks_hold_no_real_memory(measured):
+    # the fake parameters alone are 2.5 GiB (embedding and LM head, bf16) and the walk peaks above 4 GiB
+    assert measured.peak_bytes > 4 * GIB
+    assert measured.rss_growth < 1 * GIB
+
+
+def test_every_layer_takes_its_cuda_path(measured):
+    paths = measured.attention_paths
+    assert set(paths) == {"sharded_fused_flash_cuda", "gated_delta_rule fla_shapes"}, paths
+
+
+def test_every_phase_is_measured_and_the_estimate_bounds_the_peak(measured):
+    assert set(measured.phase_bytes) == {f"{walk} {phase}" for walk in ("log_probs", "update")
+                                         for phase in ("capture", "replay")} | {"update recompute"}
+    assert all(measured.phase_flops[phase] > 0 and measured.phase_collective_bytes[phase] > 0
+               for phase in measured.phase_bytes)
+    assert max(measured.phase_bytes.values()) == measured.peak_bytes
+    assert measured.model_flops > 0
+    predicted = dryrun.estimate(dryrun.model_config("Qwen3.5-27B", layers=4), STEP)
+    assert predicted.total_bytes >= measured.peak_bytes
+    assert measured.host_peak_bytes == predicted.host_bytes > 0  # the state-gradient sums and their staging buffer
+
+
+def test_the_command_line_reports_and_sets_its_status(capsys):
+    args = ["--model", "Qwen3.5-27B", "--layers", "1", "--prompt-len", "4096", "--chunk-size", "2048",
+            "--group-size", "2", "--response-len", "256"]
+    assert dryrun.main([*args, "--gpu-gb", "0.001"]) == 1  # the walk does not fit 1 MB
+    out = capsys.readouterr().out
+    assert "fake CUDA tensors: a dry run, not a GPU measurement" in out and "| update replay |" in out
+    with pytest.raises(SystemExit, match="--layers 65"):
+        dryrun.model_config("Qwen3.5-27B", layers=65)

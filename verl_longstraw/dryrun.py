@@ -1,0 +1,280 @@
+"""Dry run: what one rank does in one GRPO training step, at a real model's width, depth and length, on fake CUDA
+tensors (shapes only: no GPU, no memory, no arithmetic; ``fake_cuda``), checked against the pre-flight estimate.
+
+    python -m verl_longstraw.dryrun --model Qwen3.5-27B --prompt-len 2097152 --cp-size 8 --checkpointed
+    python -m verl_longstraw.dryrun --config path/to/config.json --prompt-len 65536 --layers 4
+
+The model is built on the meta device from its config (``--model``: a name of ``models.CONFIGS``; ``--config``: a
+config.json) in the model dtype and its parameters become fake CUDA tensors. Rank ``--rank`` of a fake process
+group of ``--cp-size`` ranks (torch's "fake" backend: collectives return at once) then runs the core walks the
+engine runs for one group: the log-prob walk (``group_log_probs``, no autograd) and the update walk
+(``group_backward``, exact or detached, ``--chunk-size`` chunks), as the real code does on CUDA: the attention
+path each layer takes, half-precision matmuls, the kernels' own fake (meta) implementations. Token ids are real CPU
+tensors, so validation, the plan and every host-side check read real data. A kernel with no fake implementation
+(flash-linear-attention's Triton kernels are not installed here) is replaced by the torch reference the code falls
+back to: the report names the path each kind of layer took.
+
+Measured (``Measured``): the device bytes the walks allocate (``fake_cuda.DeviceBytes``; not the parameters, made
+before, nor their gradients, which are the optimizer's: each is taken out of the peaks it was alive at, from the op
+that made it, and dropped once autograd hands it over), the peak of each phase (capture / replay / recompute),
+the largest tensor; the FLOPs of each phase (torch's formulas, ``fake_cuda.FakeCuda.flops``) beside ``flops.py``'s
+count; the collective bytes of each phase (``parallel.comm``'s trace); its own seconds. The estimate
+(``estimate.estimate_memory`` of the same walk) is printed beside, and the exit status is non-zero when the
+estimate does not bound the measured peak, or the peak does not fit ``--gpu-gb``.
+
+Not in this dry run (yet): FSDP2 units and the optimizer step, LoRA, expert parallelism, trees and response
+segments; MoE layers run transformers' default ``grouped_mm`` experts, whose shapes do not depend on the routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+from . import Knobs, fake_cuda, group_backward, group_log_probs
+from .estimate import GIB, MemoryEstimate, estimate_memory
+from .models import CONFIGS
+from .ops import gated_delta_rule
+from .ops.attention import ATTENTION_PATHS
+from .parallel import comm
+from .state import host
+from .timing import observe_phases
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Step:
+    """The walk of one rank: a prompt of ``prompt_len`` tokens, ``group_size`` responses of ``response_len``,
+    on rank ``rank`` of ``cp_size``."""
+
+    prompt_len: int
+    group_size: int = 8
+    response_len: int = 8192
+    chunk_size: int | None = 65536
+    prompt_grad: str = "exact"
+    cp_size: int = 1
+    rank: int = 0
+    checkpointed: bool = False
+    state_grad_on_host: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def knobs(self) -> Knobs:
+        return Knobs(chunk_size=self.chunk_size, prompt_grad=self.prompt_grad,
+                     state_grad_on_host=self.state_grad_on_host)
+
+
+@dataclass
+class Measured:
+    """What the dry run measured on its rank: per phase ("log_probs capture", "update replay", ...) the peak device
+    bytes alive (``phase_bytes``, the walk's own: parameters and gradients excluded), the FLOPs counted by torch
+    (``phase_flops``) and the collective bytes (``phase_collective_bytes``); over the step the peak (``peak_bytes``),
+    the largest tensor (bytes, elements), ``flops.py``'s count of the same walks (``model_flops``), the attention
+    paths taken (``ATTENTION_PATHS`` counts), the host bytes (``state.host.host_memory``: the state-gradient sums
+and their staging buffer, fake host tensors counted, never allocated) and the seconds the dry run took."""
+
+    phase_bytes: dict[str, int] = field(default_factory=dict)
+    phase_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    phase_collective_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak_bytes: int = 0
+    host_peak_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    largest_tensor_numel: int = 0
+    model_flops: float = 0.0
+    attention_paths: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def model_config(name_or_path: str, layers: int | None = None) -> transformers.PretrainedConfig:
+    """The text config of a ``models.CONFIGS`` name or a config.json path; with ``layers`` the first ``layers``
+    decoder layers only (every config list as long as the layers, e.g. ``layer_types``, cut with them)."""
+    if name_or_path in CONFIGS:
+        config = CONFIGS[name_or_path]()
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--model/--config {name_or_path!r}: not one of {sorted(CONFIGS)} and not a readable "
+                             f"config.json ({exc})") from exc
+    config = config.get_text_config()
+    if layers is not None:
+        total = config.num_hidden_layers
+        if not 1 <= layers <= total:
+            raise SystemExit(f"--layers {layers}: the model has {total} decoder layers; pass 1 to {total}")
+        for key, value in list(vars(config).items()):
+            if isinstance(value, (list, tuple)) and len(value) == total:
+                setattr(config, key, type(value)(value[:layers]))
+        config.num_hidden_layers = layers
+    return config
+
+
+def fake_model(config: transformers.PretrainedConfig, dtype: torch.dtype, mode: fake_cuda.FakeCuda,
+               checkpointed: bool) -> torch.nn.Module:
+    """The causal LM of ``config`` in ``dtype`` with fake CUDA parameters, in train mode; transformers' default
+    attention and experts implementations (as a GPU user gets them); per-layer activation checkpointing as veRL
+    turns it on (non-reentrant) where ``checkpointed``."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    fake_cuda.materialize(model, mode)
+    model.train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class _Meters:
+    """The per-phase meters of a dry run: ``walk`` names the walk running ("log_probs", "update")."""
+
+    def __init__(self, measured: Measured, mode: fake_cuda.FakeCuda) -> None:
+        self.measured, self.mode, self.walk = measured, mode, ""
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        name = f"{self.walk} {phase}"
+        flops = self.mode.flops
+        with self.mode.meter.phase(name), comm.trace_collectives() as records:
+            yield
+        self.measured.phase_flops[name] += self.mode.flops - flops
+        self.measured.phase_collective_bytes[name] += sum(
+            numel * torch.empty((), dtype=getattr(torch, dtype)).element_size() for _, _, numel, dtype in records)
+
+
+def _paths() -> Counter[str]:
+    """Calls of each attention path and gated delta rule path so far in this process."""
+    rule = {f"gated_delta_rule {path}": calls for path, calls in gated_delta_rule.RULE_PATHS.items()}
+    return Counter(ATTENTION_PATHS) + Counter(rule)
+
+
+def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) -> Measured:
+    """Run ``step``'s log-prob and update walks of ``config``'s model on fake CUDA tensors (module docstring);
+    returns what was measured."""
+    measured = Measured()
+    device_bytes = fake_cuda.DeviceBytes()
+    mode = fake_cuda.FakeCuda(device_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (step.prompt_len,), generator=gen)
+    responses = [torch.randint(0, config.vocab_size, (step.response_len,), generator=gen)
+                 for _ in range(step.group_size)]
+    meters = _Meters(measured, mode)
+    paths_before = _paths()
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        group = None
+        if step.cp_size > 1:
+            group = stack.enter_context(fake_cuda.fake_process_group(step.cp_size, step.rank))
+        stack.enter_context(fake_cuda.fake_cuda_runtime())
+        stack.enter_context(gated_delta_rule.fla_stand_in(gated_delta_rule.fla_shapes))
+        stack.enter_context(host.host_stand_in(lambda shape, dtype: fake_cuda.fake_empty(mode, shape, dtype, "cpu")))
+        model = fake_model(config, step.dtype, mode, step.checkpointed)
+        stack.enter_context(mode)
+        gradients: set[int] = set()  # serials of the storages that became parameter gradients
+
+        def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (estimate.Training's), not the walk's
+            gradients.add(device_bytes.serial(param.grad))
+            param.grad = None
+
+        hooks = [p.register_post_accumulate_grad_hook(hand_over) for p in model.parameters() if p.requires_grad]
+        baseline = device_bytes.current
+        device_bytes.reset_peak()
+        host.host_memory.reset_peak()
+        stack.enter_context(observe_phases(meters))
+        meters.walk = "log_probs"
+        log_probs = group_log_probs(model, prompt, responses, cp_group=group, knobs=step.knobs)
+        del log_probs
+        meters.walk = "update"
+        result = group_backward(model, prompt, responses, lambda i, lp: lp.sum() / len(lp), cp_group=group,
+                                knobs=step.knobs)
+        measured.model_flops = result.stats.model_flops
+        del result
+        for hook in hooks:
+            hook.remove()
+        measured.host_peak_bytes = host.host_memory.peak
+    measured.seconds = time.perf_counter() - start
+    device_bytes.settle()
+    measured.peak_bytes = device_bytes.without(device_bytes.at_peak, gradients) - baseline
+    measured.phase_bytes = {name: device_bytes.without(alive, gradients) - baseline
+                            for name, alive in device_bytes.phase_at_peak.items()}
+    measured.largest_tensor_bytes = device_bytes.largest
+    measured.largest_tensor_numel = device_bytes.largest_numel
+    measured.attention_paths = dict(_paths() - paths_before)
+    return measured
+
+
+def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimate:
+    """The pre-flight estimate of ``step``'s update walk (the larger of the two) on its rank."""
+    return estimate_memory(config, step.prompt_len, step.group_size, step.response_len, chunk_size=step.chunk_size,
+                           prompt_grad=step.prompt_grad, dtype=step.dtype, cp_size=step.cp_size,
+                           state_grad_on_host=step.state_grad_on_host, rank=step.rank,
+                           checkpointed=step.checkpointed, device_type="cuda")
+
+
+def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate, gpu_bytes: float) -> str:
+    """The dry run's table: per phase the peak GiB, TFLOPs (torch's count) and collective GiB; then the step's
+    peak beside the estimate, the largest tensor, the attention paths and the verdicts."""
+    lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}, chunk {step.chunk_size}, "
+             f"{step.prompt_grad}, rank {step.rank} of {step.cp_size}, checkpointed {step.checkpointed}, "
+             f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')} (fake CUDA "
+             "tensors: a dry run, not a GPU measurement)", "",
+             "| phase | peak GiB | TFLOPs (torch) | collective GiB |", "|---|---:|---:|---:|"]
+    for phase, peak in measured.phase_bytes.items():
+        lines.append(f"| {phase} | {peak / GIB:.2f} | {measured.phase_flops[phase] / 1e12:.1f} | "
+                     f"{measured.phase_collective_bytes[phase] / GIB:.2f} |")
+    ratio = predicted.total_bytes / max(measured.peak_bytes, 1)
+    update_flops = sum(f for p, f in measured.phase_flops.items() if p.startswith("update"))
+    lines += ["",
+              f"walk peak {measured.peak_bytes / GIB:.2f} GiB, estimate {predicted.total_bytes / GIB:.2f} GiB "
+              f"(estimate / dry run = {ratio:.3f}); update walk {update_flops / 1e12:.1f} TFLOPs counted by torch, "
+              f"{measured.model_flops / 1e12:.1f} by flops.py",
+              f"host {measured.host_peak_bytes / GIB:.2f} GiB, estimate {predicted.host_bytes / GIB:.2f} GiB (state-"
+              "gradient sums and their staging buffer: fake host tensors, counted, not allocated)",
+              f"largest tensor {measured.largest_tensor_bytes / GIB:.2f} GiB ({measured.largest_tensor_numel} "
+              f"elements{', past 2^31' if measured.largest_tensor_numel >= 2**31 else ''})",
+              f"attention paths: {dict(sorted(measured.attention_paths.items()))}",
+              f"dry run {measured.seconds:.1f} s"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_longstraw.dryrun", description=__doc__.split("\n\n")[0])
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", choices=sorted(CONFIGS), help="a named model (verl_longstraw.models)")
+    model.add_argument("--config", help="a transformers config.json (file or directory)")
+    parser.add_argument("--layers", type=int, help="the first N decoder layers only (default: all)")
+    parser.add_argument("--prompt-len", type=int, required=True)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--response-len", type=int, default=8192)
+    parser.add_argument("--chunk-size", type=int, default=65536)
+    parser.add_argument("--prompt-grad", choices=("exact", "detached"), default="exact")
+    parser.add_argument("--cp-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--checkpointed", action="store_true", help="per-layer activation checkpointing")
+    parser.add_argument("--state-grad-on-host", action="store_true")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--gpu-gb", type=float, default=96.0, help="device memory in GB (10^9 bytes)")
+    args = parser.parse_args(argv)
+    config = model_config(args.model or args.config, args.layers)
+    step = Step(args.prompt_len, args.group_size, args.response_len, args.chunk_size, args.prompt_grad, args.cp_size,
+                args.rank, args.checkpointed, args.state_grad_on_host, DTYPES[args.dtype])
+    measured = dry_run(config, step)
+    predicted = estimate(config, step)
+    name = args.model or args.config
+    if args.layers:
+        name += f" (first {args.layers} layers)"
+    print(report(name, step, measured, predicted, args.gpu_gb * 1e9))
+    bounded = predicted.total_bytes >= measured.peak_bytes
+    fits = measured.peak_bytes <= args.gpu_gb * 1e9
+    print(f"estimate bounds the dry run: {bounded}; walk fits {args.gpu_gb:g} GB: {fits}")
+    return 0 if bounded and fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
