@@ -175,6 +175,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         stack.enter_context(gated_delta_rule.fla_stand_in(gated_delta_rule.fla_shapes))
         stack.enter_context(host.host_stand_in(lambda shape, dtype: fake_cuda.fake_empty(mode, shape, dtype, "cpu")))
         model = fake_model(config, step.dtype, mode, step.checkpointed)
+        device_bytes.watch = {tuple(p.shape) for p in model.parameters()}  # where a gradient may be
         stack.enter_context(mode)
         gradients: set[int] = set()  # serials of the storages that became parameter gradients
 
@@ -199,10 +200,9 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
             hook.remove()
         measured.host_peak_bytes = host.host_memory.peak
     measured.seconds = time.perf_counter() - start
-    device_bytes.settle()
-    measured.peak_bytes = device_bytes.without(device_bytes.at_peak, gradients) - baseline
-    measured.phase_bytes = {name: device_bytes.without(alive, gradients) - baseline
-                            for name, alive in device_bytes.phase_at_peak.items()}
+    measured.peak_bytes = device_bytes.peak_without(gradients) - baseline
+    measured.phase_bytes = {name: device_bytes.phase_without(name, gradients) - baseline
+                            for name in device_bytes.phases}
     measured.largest_tensor_bytes = device_bytes.largest
     measured.largest_tensor_numel = device_bytes.largest_numel
     measured.attention_paths = dict(_paths() - paths_before)

@@ -169,46 +169,33 @@ class DeviceBytes:
     returns it until it is freed; views and in-place results of storages that existed before are not new
     (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters) are not counted.
 
-    Each storage gets a serial number; the storages alive at each peak are kept (``at_peak``, ``phase_at_peak``:
-    serial -> (bytes, "op shape dtype")), so bytes found out later to belong elsewhere (a parameter's gradient,
-    ``serial``) can be taken out of a peak (``peak_without``)."""
+    Each storage gets a serial number (``serial``). Storages made with one of the ``watch`` shapes (a dry run's
+    parameter shapes) are kept track of at every peak, so those found out later to be parameter gradients can be
+    taken out of the peaks they were alive at (``peak_without``, ``phase_without``)."""
 
-    def __init__(self) -> None:
-        self._live: dict[int, tuple[int, int, str]] = {}  # storage id -> (serial, bytes, what made it)
+    def __init__(self, watch: set[tuple[int, ...]] = frozenset()) -> None:
+        self.watch = set(watch)
+        self._live: dict[int, tuple[int, int]] = {}  # storage id -> (serial, bytes)
+        self._watched: dict[int, int] = {}  # serial -> bytes: the live storages of a watched shape
         self._serials = 0
         self.current = 0
         self.peak = 0
         self.largest = 0
         self.largest_numel = 0
         self.phases: dict[str, int] = {}
-        self.at_peak: dict[int, tuple[int, str]] = {}
-        self.phase_at_peak: dict[str, dict[int, tuple[int, str]]] = {}
+        self._watched_at_peak: dict[int, int] = {}
+        self._phase_watched: dict[str, dict[int, int]] = {}
         self._phase: str | None = None
-        self._rising: set[str | None] = set()  # peaks (None: the step's, else a phase's) reached since the last free
-
-    def settle(self) -> None:
-        """Keep what is alive for the peaks reached since the last free (a peak's storages are those alive just
-        before the first free after it: one copy per rise, not per allocation)."""
-        if self._rising:
-            alive = self._alive()
-            for name in self._rising:
-                if name is None:
-                    self.at_peak = alive
-                else:
-                    self.phase_at_peak[name] = alive
-            self._rising = set()
 
     def _release(self, key: int) -> None:
-        self.settle()
-        self.current -= self._live.pop(key)[1]
+        serial, nbytes = self._live.pop(key)
+        self._watched.pop(serial, None)
+        self.current -= nbytes
 
     def serial(self, tensor: torch.Tensor) -> int | None:
         """The serial number of ``tensor``'s storage, None where the meter did not see it made."""
         entry = self._live.get(storage_id(tensor))
         return None if entry is None else entry[0]
-
-    def _alive(self) -> dict[int, tuple[int, str]]:
-        return {serial: (nbytes, made_by) for serial, nbytes, made_by in self._live.values()}
 
     def saw(self, inputs: list, out, func=None) -> None:
         given = {storage_id(x) for x in inputs if isinstance(x, FakeTensor)}
@@ -221,7 +208,9 @@ class DeviceBytes:
                 continue
             storage = x.untyped_storage()
             self._serials += 1
-            self._live[key] = (self._serials, storage.nbytes(), f"{func} {tuple(x.shape)} {x.dtype}")
+            self._live[key] = (self._serials, storage.nbytes())
+            if tuple(x.shape) in self.watch:
+                self._watched[self._serials] = storage.nbytes()
             self.current += storage.nbytes()
             self.largest = max(self.largest, storage.nbytes())
             weakref.finalize(storage, self._release, key)
@@ -229,20 +218,20 @@ class DeviceBytes:
 
     def _peaked(self) -> None:
         if self.current > self.peak:
-            self.peak = self.current
-            self._rising.add(None)
+            self.peak, self._watched_at_peak = self.current, dict(self._watched)
         if self._phase is not None and self.current > self.phases.get(self._phase, -1):
-            self.phases[self._phase] = self.current
-            self._rising.add(self._phase)
+            self.phases[self._phase], self._phase_watched[self._phase] = self.current, dict(self._watched)
 
     def reset_peak(self) -> None:
-        self.settle()
-        self.peak, self.at_peak = self.current, self._alive()
+        self.peak, self._watched_at_peak = self.current, dict(self._watched)
 
-    @staticmethod
-    def without(alive: dict[int, tuple[int, str]], serials: set[int]) -> int:
-        """Bytes of the storages ``alive`` (a peak's, after ``settle``) less those numbered in ``serials``."""
-        return sum(nbytes for serial, (nbytes, _) in alive.items() if serial not in serials)
+    def peak_without(self, serials: set[int]) -> int:
+        """``peak`` less the bytes of the storages numbered in ``serials`` that were alive at it."""
+        return self.peak - sum(n for serial, n in self._watched_at_peak.items() if serial in serials)
+
+    def phase_without(self, name: str, serials: set[int]) -> int:
+        """``phases[name]`` less the bytes of the storages numbered in ``serials`` that were alive at it."""
+        return self.phases[name] - sum(n for serial, n in self._phase_watched[name].items() if serial in serials)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -252,7 +241,6 @@ class DeviceBytes:
         try:
             yield
         finally:
-            self.settle()
             self._phase = outer
 
 
