@@ -78,7 +78,7 @@ class FakeCuda(FakeTensorMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         del workspace
         if self.meter is not None:
-            self.meter.saw(leaves, out, func)
+            self.meter.saw(leaves, out)
         if func._overloadpacket in flop_registry:
             self.flops += _flops(func, args, kwargs, out)
         return out
@@ -197,7 +197,7 @@ class DeviceBytes:
         entry = self._live.get(storage_id(tensor))
         return None if entry is None else entry[0]
 
-    def saw(self, inputs: list, out, func=None) -> None:
+    def saw(self, inputs: list, out) -> None:
         given = {storage_id(x) for x in inputs if isinstance(x, FakeTensor)}
         for x in pytree.tree_leaves(out):
             if not isinstance(x, FakeTensor) or x.device.type != "cuda":
