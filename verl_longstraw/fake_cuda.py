@@ -4,15 +4,18 @@ tests/test_fake_cuda.py pins each. It imports nothing of the package.
 
 ``FakeCuda`` is a ``FakeTensorMode`` in which ``device="cuda"`` tensors exist as shapes, dtypes and strides only
 (no memory, no compute: each op runs its meta kernel) and ops whose inputs are all real CPU tensors still run for
-real, so validation and the plan read the real token ids. On a CPU-only torch build three things stand in the way
-of autograd and indexing on such tensors, and the mode answers them:
+real, so validation and the plan read the real token ids. On a CPU-only torch build four things stand in the way
+of autograd, indexing and counting on such tensors, and the mode answers them:
 - C++ asks a tensor's device through ``prim.device`` and then wants CUDA's device guard, which a CPU build lacks
   (``x[i]``, ``x[i] = y`` and autograd's gradient accumulators fail with "not linked with support for cuda
   devices"): the mode answers ``meta`` to C++ while Python's ``tensor.device`` stays ``cuda:0`` (FakeTensor's own
   property), so every Python branch on the device type takes its CUDA side;
 - composite C++ ops then build tensors with the meta device of ``tensor.options()``: the mode makes them cuda;
 - ``torch.cuda`` streams and events (the host copies of ``state.host``) do not exist: ``fake_cuda_runtime`` gives
-  no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it.
+  no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it;
+- a few ops (``silu_backward``) have no CUDA kernel in a CPU build and would decompose into smaller ops before the
+  mode sees them, each step's output counted: ``fake_cuda_runtime`` registers never-called CUDA stand-ins so they
+  reach the mode as one op, and the mode counts an op whose fake implementation is itself a decomposition as one.
 
 ``fake_process_group(world, rank)`` is torch's "fake" backend: every collective returns at once with the right
 shapes (an all-gather hands every rank this rank's input; under ``FakeCuda`` tensors hold nothing, and
@@ -51,12 +54,16 @@ class FakeCuda(FakeTensorMode):
     ``meter`` (a ``DeviceBytes``), when given, counts the fake device storages the ops allocate; ``flops`` sums the
     FLOPs of the ops on fake tensors by torch's formulas (``torch.utils.flop_counter``'s registry, what
     ``FlopCounterMode`` counts: matmuls, convolutions, attention kernels), without ``FlopCounterMode``'s module
-    hooks, which keep activations alive past activation checkpointing."""
+    hooks, which keep activations alive past activation checkpointing. Both count the ops the caller dispatches, as
+    a GPU runs them: an op whose fake implementation is a decomposition into smaller ops (``_log_softmax``,
+    ``softplus_backward``, ...) is one kernel on a GPU, so only its outputs and its own FLOPs count, not the steps'
+    intermediates."""
 
     def __init__(self, meter: DeviceBytes | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.meter = meter
         self.flops = 0
+        self._depth = 0  # ops running inside an op's fake implementation (its decomposition)
 
     @property
     def avoid_device_init(self) -> bool:
@@ -74,13 +81,19 @@ class FakeCuda(FakeTensorMode):
         if not any(isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda") for x in leaves):
             with unset_fake_temporarily():  # real CPU tensors only: run for real
                 return func(*args, **kwargs)
+        if self._depth:  # a step of an op's decomposition: one fused kernel on a GPU, counted as the op
+            return super().__torch_dispatch__(func, types, args, kwargs)
         workspace = _flash_backward_workspace(*args) if func is _FLASH_BACKWARD else ()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        del workspace
-        if self.meter is not None:
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func._overloadpacket in flop_registry:  # inside: what the formula makes is not the op's
+                self.flops += _flops(func, args, kwargs, out)
+        finally:
+            self._depth -= 1
+        if self.meter is not None:  # the outputs beside the kernel's workspace, as on the GPU
             self.meter.saw(leaves, out)
-        if func._overloadpacket in flop_registry:
-            self.flops += _flops(func, args, kwargs, out)
+        del workspace
         return out
 
 
@@ -324,7 +337,8 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     capability ``capability``, streams and events that do nothing (``torch.cuda.stream(s)`` a no-op context,
     ``Tensor.record_stream`` too), host memory registration (pinning) that succeeds, no real CUDA tensor made to
     start a context (``fake_tensor.init_gpu_context``, which a CUDA build of torch runs); and
-    ``F.scaled_dot_product_attention`` taking the GPU's kernel on fake tensors (``_cuda_sdpa``)."""
+    ``F.scaled_dot_product_attention`` taking the GPU's kernel on fake tensors (``_cuda_sdpa``); the ops a CUDA build
+    runs as one kernel dispatched as one op (``_cuda_kernels_of_a_cuda_build``)."""
     cuda = torch.cuda
     names = ("is_available", "Stream", "Event", "stream", "current_stream", "device_count", "get_device_capability",
              "get_device_name", "cudart")
@@ -341,14 +355,37 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     cuda.Stream, cuda.Event, cuda.cudart = _Stream, _Event, _Cudart
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.current_stream = lambda device=None: _Stream()
+    kernels = _cuda_kernels_of_a_cuda_build()
     try:
         yield
     finally:
+        kernels._destroy()
         for name, value in saved.items():
             setattr(cuda, name, value)
         torch.Tensor.record_stream = record_stream
         fake_tensor.init_gpu_context = init_gpu_context
         F.scaled_dot_product_attention = _SDPA
+
+
+def _never_runs(*args, **kwargs):
+    raise AssertionError("a dry run's CUDA kernel stand-in ran: fake tensors dispatch to the fake mode first")
+
+
+def _cuda_kernels_of_a_cuda_build() -> torch.library.Library:
+    """Stand-in CUDA kernels for the aten ops that have a CPU kernel and a composite (decomposing) one but, in a
+    CPU-only build, no CUDA kernel (``silu_backward``, ``mish_backward``, ``native_channel_shuffle``): without one,
+    fake CUDA tensors take the composite path before the fake mode sees the op, and the dry run would count its
+    intermediates ([tokens, MLP width] tensors each, for ``silu_backward``), which a CUDA build's fused kernel never
+    makes. With one, the op reaches the mode as one op, as on a CUDA build (the stand-in itself never runs). Returns
+    the registrations; ``_destroy()`` takes them back."""
+    library = torch.library.Library("aten", "IMPL")
+    for name in torch._C._dispatch_get_all_op_names():
+        if (name.startswith("aten::")
+                and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+                and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+                and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")):
+            library.impl(name.removeprefix("aten::"), _never_runs, "CUDA")
+    return library
 
 
 @contextlib.contextmanager
