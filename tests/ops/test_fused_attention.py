@@ -317,3 +317,18 @@ def test_flash_accepts_checks_head_dim_and_asks_under_grad_mode(monkeypatch) -> 
     finally:
         fused_ops._flash_accepts.cache_clear()
     assert asked == [(True, True, True)] * 2  # causal and not, for dim 16 only
+
+
+def test_partial_forward_merges_its_parts_in_place() -> None:
+    """``fused_partial_forward`` over a prefix and its own keys (two kernel calls) holds at most 3 query tensors at
+    once (its float32 output, the contiguous queries a kernel call takes and that call's output; the logsumexps
+    besides): the merge of a part into the output makes no [B, Hq, N, D] float32 temporaries (it made 2 more before;
+    pass-Q merges the gathered queries of every rank: 1.5 GiB each at 64K queries of the 27B's attention)."""
+    batch, q_heads, kv_heads, seg_len, prefix_len, dim = 1, 4, 2, 512, 64, 32
+    xs = [x.detach() for x in make_inputs(batch, q_heads, kv_heads, seg_len, prefix_len, dim, dim,
+                                          torch.float32).values()]
+    query_tensor = batch * q_heads * seg_len * dim * 4
+    with AllocationMeter() as meter:
+        out, lse, extras = fused_ops.fused_partial_forward(*xs, 0.25, torch.float32)
+    assert out.shape == (batch, q_heads, seg_len, dim)
+    assert meter.peak < 3.5 * query_tensor, (meter.peak, query_tensor)

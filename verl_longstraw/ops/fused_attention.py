@@ -240,8 +240,9 @@ def fused_partial_forward(
         part_out, part_lse = _part_result(part_out, part, batch), _part_result(part_lse, part, batch)
         seen = lse[:, :, part.start : part.end]
         total = torch.logaddexp(seen, part_lse)
-        out[:, :, part.start : part.end] = (out[:, :, part.start : part.end] * (seen - total).exp().unsqueeze(-1)
-                                            + part_out * (part_lse - total).exp().unsqueeze(-1))
+        # in place: no [B, Hq, n, D] float32 temporaries beside the output (3 of them as out * a + part * b)
+        merged = out[:, :, part.start : part.end].mul_((seen - total).exp().unsqueeze(-1))
+        merged.addcmul_(part_out, (part_lse - total).exp().unsqueeze(-1))
         lse[:, :, part.start : part.end] = total
         extras.append(extra)
     return out, lse, tuple(extras)
