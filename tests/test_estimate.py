@@ -328,9 +328,10 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
         assert (e.replay_backward_transient_bytes, e.prompt_backward_transient_bytes) == (replay, prompt)
         assert e.transient_bytes == max(e.score_block_bytes, replay, prompt)
         # the backward peak: the state, the gradients held then, that step's saves less the state buffers it saves
-        # as views (already in the state) and the largest transient; the total: it or a no-grad capture's peak
+        # as views (already in the state) and the transient of its largest moment; the total: it or a no-grad
+        # capture's peak
         assert e.backward_bytes == (e.state_bytes + e.backward_grad_bytes + e.backward_peak_saved_bytes
-                                    - e.saved_state_bytes + e.transient_bytes)
+                                    - e.saved_state_bytes + e.backward_peak_transient_bytes)
         assert e.backward_grad_bytes <= e.device_state_grad_bytes + e.state_leaf_grad_bytes
         assert e.total_bytes == max(e.backward_bytes, e.capture_peak_bytes)
     mla = estimate_memory(tiny_config("deepseek_v3"), prompt_len, 8, response_len, chunk, "exact", torch.bfloat16,

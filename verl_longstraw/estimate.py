@@ -23,12 +23,14 @@ process):
   include the pass-Q attention's gathered queries of all ranks (a replay round's responses, a
   chunk's tokens), their float32 partial outputs and log-sum-exps (``pass_q_bytes``), and for
   recurrent layers' chunks the affine merge's summary run.
-- ``transient_bytes``: the largest transient of any moment, counted at that moment beside the saved peak: pass-Q's
-  scores of one key block, a row chunk of the replay's scoring, or the fused attention backward of one layer (its
-  key blocks, flash's GQA expansion and dq accumulators on CUDA, its float32 query gradient; under CP also the
-  gathered outputs and the float32 reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention``
-  count for the device kind ``device_type`` (``fused_backward_transient_bytes``,
-  ``sharded_fused_backward_transient_bytes``).
+- ``transient_bytes``: the largest transient of any phase: pass-Q's scores of one key block, a row chunk of the
+  replay's scoring, or the fused attention backward of one layer (its key blocks, flash's GQA expansion and dq
+  accumulators on CUDA, its float32 query gradient; under CP also the gathered outputs and the float32
+  reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention`` count for the device kind
+  ``device_type`` (``fused_backward_transient_bytes``, ``sharded_fused_backward_transient_bytes``). The peak counts
+  each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_transient``): the scoring's
+  beside every save, a layer's MLP backward (``MLP_BACKWARD``) beside that layer's saves, its mixer's beside its
+  saves less its MLP half's; checkpointed, beside that one layer's saves only.
 - ``capture_peak_bytes``: the largest moment of a no-grad capture (``_Layers.capture_transient``: the rotary
   tables, the state rows its layers returned so far, the hidden-wide tensors of one decoder layer's MLP half), beside
   the state stored before it (none before the first capture's write).
@@ -42,9 +44,11 @@ The estimate is composition only: the sum over the plan's steps (``Plan.steps``)
 layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
 of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norms and
 MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
-``SavedTensorMeter`` on CPU, the least certain term; it does not grow with P), the state kinds' bytes, the scoring's
-chunks and the MoE exchange. ``adapters.adapter_on_meta`` gives the ops of a config alone. ``preflight`` turns the
-estimate into an early, actionable error.
+``SavedTensorMeter`` on CPU float32 models, the least certain term; it does not grow with P; in half precision the
+norms' float32 copies are added, measured from the model's own norm modules: ``mixers.base.upcast_row_bytes``), the
+state kinds' bytes, the scoring's chunks and the MoE exchange. At a real model's width and length the dry run
+(``verl_longstraw.dryrun``, fake CUDA tensors) is the reference it is checked against. ``adapters.adapter_on_meta``
+gives the ops of a config alone. ``preflight`` turns the estimate into an early, actionable error.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from .errors import UnsupportedModelError
 from .knobs import REPLAY_TOKENS, Knobs
 from .lora import base_model
 from .mixers import LayerCall, Saves, layer_needs_output
+from .mixers.base import upcast_row_bytes
 from .parallel import experts as parallel_experts
 from .plan import Plan, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
@@ -68,6 +73,9 @@ from .state.store import staging_nbytes
 
 NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
 MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
+# the gated MLP's backward, besides its saves: d(product), then d(activation) and d(up) while the saves they read
+# are still held, in units of the intermediate width (its largest moment, seen in the dry run)
+MLP_BACKWARD = 2.0
 # ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
 # (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
 SCORE_TRANSIENT_CHUNKS = 3
@@ -119,6 +127,8 @@ class MemoryEstimate:
     # (None: all of them, ``device_state_grad_bytes + state_leaf_grad_bytes + in_flight_bytes``); fewer when the
     # peak is the walk's first backward, before whose end not every sum exists (``PathState`` makes each on its first
     # gradient)
+    backward_peak_transient_bytes: int | None = None  # the transient of the backward moment at the peak
+    # (``_Layers.peak_transient``: the scoring's or one layer's; None: ``transient_bytes``)
     backward_peak_saved_bytes: int | None = None  # the saved bytes of the backward step at the peak (None:
     # ``saved_peak_bytes``)
     capture_peak_bytes: int = 0  # device bytes at the largest moment of a no-grad capture: the state stored before
@@ -149,13 +159,15 @@ class MemoryEstimate:
     def backward_bytes(self) -> int:
         """Device bytes at the peak of the backward steps (replays and recomputes): the state, the state-gradient
         bytes held then (``backward_grad_bytes``), the saved bytes of that step less the state buffers it saves as
-        views (``saved_state_bytes``, counted in the state), and the largest transient (``transient_bytes``; each
-        phase's transients counted at their largest)."""
+        views (``saved_state_bytes``, counted in the state), and the transient of that step's largest moment
+        (``backward_peak_transient_bytes``; where not given, the largest of any phase, ``transient_bytes``)."""
         grads = self.backward_grad_bytes
         if grads is None:
             grads = self.device_state_grad_bytes + self.state_leaf_grad_bytes + self.in_flight_bytes
         saved = self.saved_peak_bytes if self.backward_peak_saved_bytes is None else self.backward_peak_saved_bytes
-        return self.state_bytes + grads + saved - self.saved_state_bytes + self.transient_bytes
+        transient = self.transient_bytes if self.backward_peak_transient_bytes is None else (
+            self.backward_peak_transient_bytes)
+        return self.state_bytes + grads + saved - self.saved_state_bytes + transient
 
     @property
     def total_bytes(self) -> int:
@@ -176,6 +188,7 @@ class _Layers:
     mixer, half after), its op's saves, and where its output is used its MLP's ``MLP`` x MLP width."""
 
     def __init__(self, config, dtype: torch.dtype, adapter: Adapter, device_type: str):
+        self.adapter = adapter
         self.ops = adapter.ops
         self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(self.ops))]
         self.hidden, self.dtype, self.device_type = config.hidden_size, dtype, device_type
@@ -202,22 +215,33 @@ class _Layers:
         if not call.need_output and not op.kinds:
             return Saves(0)
         mixer = op.saves(call)
-        per_token = NORM / 2 * self.hidden
-        if call.need_output:
-            per_token += NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]
-        return mixer._replace(own=int(mixer.own + call.batch * call.tokens * per_token * self.act))
+        upcasts = upcast_row_bytes(self.adapter.layer_norms(idx, False)[0], self.hidden, self.dtype)
+        own = call.batch * call.tokens * (NORM / 2 * self.hidden * self.act + upcasts)
+        return mixer._replace(own=int(mixer.own + own + self.mlp_half_saves(idx, call)))
+
+    def mlp_half_saves(self, idx: int, call: LayerCall) -> int:
+        """Of layer ``idx``'s saves in ``call``, its MLP half's (none without ``need_output``): the post norm's
+        share of ``NORM`` and its half-precision copies, and ``MLP`` x the MLP width per token. A layer's backward
+        runs its MLP half first, so these are freed before its mixer's backward runs."""
+        if not call.need_output:
+            return 0
+        norms = self.adapter.layer_norms(idx, True)[1:]
+        upcasts = sum(upcast_row_bytes(norm, self.hidden, self.dtype) for norm in norms)
+        per_token = (NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]) * self.act + upcasts
+        return int(call.batch * call.tokens * per_token)
 
     def saved(self, calls: Sequence[LayerCall], checkpointed: bool) -> tuple[int, int, int, list[int]]:
         """(saved bytes, of which pass-Q's gathered, of which views of the state, each layer's saves less its views)
         of one step's ``calls``. Buffers shared by the layers (a mask) count once per size. ``checkpointed``: every
         layer keeps only its input hidden state and the backward recomputes one layer at a time, so the step holds
-        the inputs plus the largest layer's saves (views not taken out)."""
+        the inputs plus the largest layer's saves (its views of the state taken out)."""
         saves = [self.layer_saves(idx, call) for idx, call in enumerate(calls)]
         per_layer = [s.own + s.gathered + s.shared - s.state_views for s in saves]
         if checkpointed:
-            largest = max(saves, key=lambda s: (s.own + s.gathered + s.shared, s.gathered))
+            largest = max(saves, key=lambda s: (s.own + s.gathered + s.shared - s.state_views, s.gathered))
             inputs = sum(call.batch * call.tokens for call in calls) * self.hidden * self.act
-            return inputs + largest.own + largest.gathered + largest.shared, largest.gathered, 0, per_layer
+            return (inputs + largest.own + largest.gathered + largest.shared, largest.gathered, largest.state_views,
+                    per_layer)
         gathered = sum(s.gathered for s in saves)
         total = sum(s.own for s in saves) + gathered + sum({s.shared for s in saves if s.shared})
         return total, gathered, sum(s.state_views for s in saves), per_layer
@@ -225,6 +249,26 @@ class _Layers:
     def transient(self, calls: Sequence[LayerCall]) -> int:
         """The largest backward transient of any layer's op in the step (``MixerOp.transient_bytes``)."""
         return max((op.transient_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
+
+    def peak_transient(self, calls: Sequence[LayerCall], checkpointed: bool, score: int) -> int:
+        """What the step's largest moment holds beyond its saved figure (``saved``), never negative. The backward
+        runs the scoring first (its transient ``score`` beside every save), then the layers from the last: layer
+        j's MLP half (its backward, ``MLP_BACKWARD`` x MLP width per token, beside all of layer j's saves), then
+        its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's saves less its MLP half's,
+        ``mlp_half_saves``). Layers above j have freed their saves by then; checkpointed, no layer but j holds
+        saves (the saved figure counts the largest layer's)."""
+        saves = [self.layer_saves(idx, call) for idx, call in enumerate(calls)]
+        held = [s.own + s.gathered + s.shared - s.state_views for s in saves]
+        base = max(held) if checkpointed else sum(held)
+        largest = score - (max(held) if checkpointed else 0)
+        below = 0
+        for idx, (op, call, width) in enumerate(zip(self.ops, calls, self.mlp_widths, strict=True)):
+            below += 0 if checkpointed else (held[idx - 1] if idx else 0)
+            mlp_backward = int(call.need_output) * call.batch * call.tokens * int(MLP_BACKWARD * width) * self.act
+            mixer = max(op.transient_bytes(call), op.score_block_bytes(call))
+            moment = below + max(held[idx] + mlp_backward, held[idx] - self.mlp_half_saves(idx, call) + mixer)
+            largest = max(largest, moment - base)
+        return max(0, largest)
 
     def score_block(self, calls: Sequence[LayerCall]) -> int:
         """The largest score block of any layer's op in the step (``MixerOp.score_block_bytes``)."""
@@ -374,23 +418,27 @@ def estimate_plan(
             freed_above += layer_saved[j]
         return largest
 
-    # the backward step at the peak: its saved bytes less the state views, plus the state-gradient bytes held then
-    peak_moment = peak_saved = peak_views = peak_grads = None
+    # the backward step at the peak: its saved bytes less the state views, the state-gradient bytes held then and the
+    # transient of its largest moment
+    peak_moment = peak_saved = peak_views = peak_grads = peak_transient = None
     backward_seen = written = False
     capture_peak = 0
 
-    def backward_step(calls: Sequence[LayerCall], extra: int) -> tuple[int, int]:
-        """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves) toward the
-        peak; returns its (saved bytes, of which pass-Q)."""
-        nonlocal peak_moment, peak_saved, peak_views, peak_grads, backward_seen
+    def backward_step(calls: Sequence[LayerCall], extra: int, score: int, tokens: int) -> tuple[int, int]:
+        """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves; ``score``: its
+        scoring's transient; ``tokens``: what one layer call runs on this rank, whose MoE token exchange under
+        expert parallelism is a transient of any layer's moment) toward the peak; returns its (saved bytes, of which
+        pass-Q)."""
+        nonlocal peak_moment, peak_saved, peak_views, peak_grads, peak_transient, backward_seen
         saved, pass_q, views, per_layer = layers.saved(calls, checkpointed)
         saved += extra
-        # checkpointed: the saved figure is the layer inputs plus one layer's saves, not calibrated against a meter
-        # (see ``estimate_memory``); its terms are kept as they were: no views taken out, every gradient counted
+        # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
         grads = all_grads if backward_seen or checkpointed else first_backward_grads(per_layer)
-        moment = saved - views + grads
+        all_to_all = expert_exchange(adapter.model, tokens, dtype).transient_bytes if expert_parallel else 0
+        transient = max(layers.peak_transient(calls, checkpointed, score), all_to_all)
+        moment = saved - views + grads + transient
         if peak_moment is None or moment > peak_moment:
-            peak_moment, peak_saved, peak_views, peak_grads = moment, saved, views, grads
+            peak_moment, peak_saved, peak_views, peak_grads, peak_transient = moment, saved, views, grads, transient
         backward_seen = True
         return saved, pass_q
 
@@ -408,12 +456,12 @@ def estimate_plan(
             split = step.split
             calls = layers.calls(batch, tokens, prefix, rows, False, split.query_sizes if split else (tokens,),
                                  rank if split else 0, plan.world if step.sharded else 1, False)
-            saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes)
+            scoring = score_transient_bytes(config.vocab_size, batch * tokens, head_gradient)
+            saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes, scoring, batch * tokens)
             if saved > replay:
                 replay, replay_pass_q = saved, pass_q
             replay_transient = max(replay_transient, layers.transient(calls))
-            score_block = max(score_block, score_transient_bytes(config.vocab_size, batch * tokens, head_gradient),
-                              layers.score_block(calls))
+            score_block = max(score_block, scoring, layers.score_block(calls))
             batch_most = max(batch_most, batch)
             call_tokens = max(call_tokens, batch * tokens)
             continue
@@ -425,17 +473,22 @@ def estimate_plan(
         call_tokens = max(call_tokens, own)
         # a capture (and recompute): its tokens of all ranks against this rank's rows
         calls = layers.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
-        score_block = max(score_block, layers.score_block(calls))
+        blocks = layers.score_block(calls)
+        score_block = max(score_block, blocks)
+        scoring = 0
         if segment.scored:
             head_sum = head_gradient if step.phase == "recompute" else 0  # a capture runs no backward
-            score_block = max(score_block, score_transient_bytes(config.vocab_size, own, head_sum))
-        if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient
+            scoring = score_transient_bytes(config.vocab_size, own, head_sum)
+            score_block = max(score_block, scoring)
+        if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient (the
+            # MLP half's or a mixer's score block beside the state rows returned so far)
             own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
             held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
-            capture_peak = max(capture_peak, held + layers.capture_transient(own, not segment.scored, own_rows))
+            transient = max(layers.capture_transient(own, not segment.scored, own_rows), sum(own_rows) + blocks)
+            capture_peak = max(capture_peak, held + transient)
             written = True
         if step.phase == "recompute":
-            saved, pass_q = backward_step(calls, own * hidden_bytes if segment.scored else 0)
+            saved, pass_q = backward_step(calls, own * hidden_bytes if segment.scored else 0, scoring, own)
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
             backward_transient = max(backward_transient, layers.transient(calls))
@@ -461,6 +514,7 @@ def estimate_plan(
         saved_state_bytes=peak_views or 0,
         backward_grad_bytes=peak_grads,
         backward_peak_saved_bytes=peak_saved,
+        backward_peak_transient_bytes=peak_transient,
         capture_peak_bytes=capture_peak,
     )
     detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
@@ -686,8 +740,9 @@ class GpuTable:
         lines = ["| per GPU | device GiB | host GiB |", "|---|---:|---:|"]
         lines += [f"| {item} | {gib(device)} | {gib(host)} |" for item, device, host in self.rows]
         verdict = "fits" if self.peak <= self.gpu_bytes else "does NOT fit"
-        lines.append(f"| **total at the peak** (the larger saved-for-backward row) | **{gib(self.peak)}** | "
-                     f"**{gib(self.host)}** |")
+        lines.append(f"| **total at the peak** (the rows above the prompt state, and the estimate's total: the state, "
+                     f"the gradients, saves less the state's views and transient of the peak's step, or a capture's "
+                     f"peak) | **{gib(self.peak)}** | **{gib(self.host)}** |")
         lines.append(f"| GPU memory ({self.gpu_bytes / 1e9:g} GB): {verdict}, "
                      f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
                      f" | {gib(self.gpu_bytes)} | |")
@@ -787,10 +842,11 @@ def gpu_table(
         ("state gradients one layer's backward hands its state (model dtype)" + (
             ", and the one whose copy to the host is in flight" if run.state_grad_on_host else ""),
          e.state_leaf_grad_bytes + e.in_flight_bytes, 0),
-        ("largest transient: one attention layer's fused backward (key blocks, GQA expansion, float32 dq), "
-         "pass-Q's float32 scores of one key block, " + (
-             f"a scoring row chunk, or an MoE layer's all-to-all of {e.layer_call_tokens} tokens (send and receive: "
-             f"{e.all_to_all_bytes / GIB:.2f})" if ep else "or a scoring row chunk"), e.transient_bytes, 0),
+        ("transient of the peak's moment beyond its saves: the scoring's row chunks and head-gradient sum, or one "
+         "layer's backward (its attention's fused backward: key blocks, GQA expansion, float32 dq; its MLP's; "
+         "pass-Q's float32 scores of one key block" + (
+             f"; an MoE layer's all-to-all of {e.layer_call_tokens} tokens, send and receive: "
+             f"{e.all_to_all_bytes / GIB:.2f}" if ep else "") + ")", e.backward_peak_transient_bytes or 0, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
          f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
          e.replay_saved_bytes, 0),
@@ -798,6 +854,7 @@ def gpu_table(
          f"{0 if replay_peak else e.pass_q_bytes / GIB:.2f})" + ("" if replay_peak else " <- peak"),
          e.prompt_backward_saved_bytes, 0),
     )
-    peak = sum(device for _, device, _ in rows[:-2]) + e.saved_peak_bytes
+    group_rows = 6  # the state ... recompute rows: the estimate's terms, whose peak is ``e.total_bytes``
+    peak = sum(device for _, device, _ in rows[:-group_rows]) + e.total_bytes
     host = sum(h for _, _, h in rows)
     return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node)

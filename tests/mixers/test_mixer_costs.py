@@ -11,6 +11,7 @@ import torch
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.memory import SavedTensorMeter
 from verl_longstraw.mixers import LayerCall
+from verl_longstraw.mixers.base import saved_row_bytes, upcast_row_bytes
 from verl_longstraw.tiny import tiny_model
 
 PREFIX, TOKENS, BATCH = 96, 24, 3
@@ -90,3 +91,29 @@ def test_mamba2_summary_scan_saves_match_meter():
         counted = SUMMARY_SAVES * ssd_torch_saved_bytes(1, tokens, heads, p, n, op.scan_chunk, torch.float32)
         assert 0.8 <= counted / kept <= 1.3, (tokens, counted, kept)
         assert final.requires_grad
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_norm_saves_on_meta_match_the_meter_and_their_half_precision_copies(family):
+    """``saved_row_bytes`` counts on the meta device what ``SavedTensorMeter`` sees a norm save on CPU (its float32
+    copies in bfloat16 included); ``upcast_row_bytes`` is 0 for float32 and, in bfloat16, what the norm saves beyond
+    its float32 figure at bfloat16 sizes."""
+    model = tiny_model(family)
+    norm = model.model.layers[0].input_layernorm
+    width = model.config.hidden_size
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            weights = {name: p.to(dtype).requires_grad_() for name, p in norm.named_parameters()}
+        peaks = []
+        for rows in (32, 64):
+            x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+            with SavedTensorMeter(exclude=weights.values()) as meter:
+                out = torch.func.functional_call(norm, weights, (x,))
+            peaks.append(meter.peak)
+            del out
+        assert saved_row_bytes(norm, width, dtype) == (peaks[1] - peaks[0]) / 32 > 0, (dtype, peaks)
+    assert upcast_row_bytes(norm, width, torch.float32) == 0
+    half = saved_row_bytes(norm, width, torch.bfloat16) - saved_row_bytes(norm, width, torch.float32) / 2
+    assert upcast_row_bytes(norm, width, torch.bfloat16) == max(half, 0)
+    if family == "qwen3_5":  # its norm computes in float32 and scales by (1 + weight) in float32: copies it keeps
+        assert half > 0

@@ -127,6 +127,13 @@ class Adapter(ABC):
                 "form; set longstraw.context_parallel_size=1"
             )
 
+    def layer_norms(self, idx: int, need_output: bool) -> tuple[nn.Module, ...]:
+        """The hidden-wide norms layer ``idx`` runs on each token (``layer``): its input norm, and with
+        ``need_output`` its post norm; what the memory estimate measures their half-precision copies from."""
+        layer = self.layers[idx]
+        return (getattr(layer, self.input_norm), getattr(layer, self.post_norm)) if need_output else (
+            getattr(layer, self.input_norm),)
+
     def mlp_width(self, idx: int) -> int:
         """Intermediate width one token passes through in layer ``idx``'s MLP or MoE block (routed experts x top-k,
         the shared experts, the router's logits), what the memory estimate counts its activations by."""

@@ -8,6 +8,7 @@ block (no state).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..mixers import Attention, Mamba2, MixerOp, NoMixer
 from .base import Adapter, register
@@ -46,6 +47,10 @@ class NemotronHAdapter(Adapter):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(ids if ids.dim() == 2 else ids[None])
+
+    def layer_norms(self, idx: int, need_output: bool) -> tuple[nn.Module, ...]:
+        """A block's one norm, which runs whether or not its output is needed."""
+        return (self.layers[idx].norm,)
 
     def layer(self, idx, h, ctx, past, need_output):
         """One block: ``h + sublayer(norm(h))``; an MLP or MoE block keeps no state."""

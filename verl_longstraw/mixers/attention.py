@@ -32,7 +32,7 @@ from ..parallel.attention import (
     sharded_prefix_attention,
 )
 from ..state import LayerState, Rows, Window
-from .base import LayerCall, MixerOp, Saves, SegmentContext, apply_rope
+from .base import LayerCall, MixerOp, Saves, SegmentContext, apply_rope, upcast_row_bytes
 
 ATTENTION_SAVES = 3.0  # q, rotated q/k, output and o_proj input, per token in units of the projection widths
 STATE_ONLY_SAVES = 2.0  # without the output: the key path's norm input and output and the rotary tables, per token in
@@ -75,6 +75,12 @@ class RowAttention(MixerOp):
         """Bytes one token's projections save in the model dtype of ``act`` bytes (besides the op's saves)."""
         raise NotImplementedError
 
+    def upcast_bytes(self, dtype: torch.dtype, need_output: bool) -> float:
+        """Bytes per token the module's per-head norms save in half precision beyond what ``token_bytes`` and
+        ``state_only_saves`` count (``base.upcast_row_bytes``; the key norm alone without ``need_output``); 0
+        without such norms."""
+        return 0.0
+
     def fused_dtype(self, call: LayerCall) -> torch.dtype | None:
         """The dtype the fused kernels compute this layer's inputs in, None where they do not take them."""
         return _fused_dtype(call.device_type, call.dtype, self.q_heads, self.kv_heads, self.qk_dim, self.v_dim)
@@ -91,9 +97,10 @@ class RowAttention(MixerOp):
         queries are the gathered rows: this rank's are not counted twice). ``state_views``: the prefix buffer the
         path saves as views of the state's ``Rows``."""
         row, rows = self.row_nbytes(call.dtype), call.batch * call.tokens
+        upcasts = rows * self.upcast_bytes(call.dtype, call.need_output)
         if not call.need_output:
-            return Saves(int(self.state_only_saves * row * rows))
-        activations = rows * self.token_bytes(call.act)
+            return Saves(int(self.state_only_saves * row * rows + upcasts))
+        activations = rows * self.token_bytes(call.act) + upcasts
         buffer = row * call.state_len
         if call.cp_size > 1:
             fused = self.fused_dtype(call) is not None
@@ -194,6 +201,12 @@ class Attention(RowAttention):
         gate = 2 if self.gated_output else 1
         return act * ATTENTION_SAVES * (self.q_heads * self.qk_dim * gate + 2 * self.kv_heads * self.qk_dim)
 
+    def upcast_bytes(self, dtype: torch.dtype, need_output: bool) -> float:
+        """The key norm's on each key head and, with ``need_output``, the query norm's on each query head."""
+        heads = {self.k_norm: self.kv_heads, self.q_norm: self.q_heads if need_output else 0}
+        return sum(count * upcast_row_bytes(getattr(self.module, name), self.head_dim, dtype)
+                   for name, count in heads.items() if count and hasattr(self.module, name))
+
     def new_state(self, past: LayerState, k: torch.Tensor, v: torch.Tensor) -> LayerState:
         """The segment's state: its own K/V rows."""
         return k, v
@@ -265,13 +278,14 @@ class WindowAttention(Attention):
         """The projections' per-token saves and the window op's (``window_attention_saved_bytes`` over the rows a
         query can still see); none of it a view of the state (a window's past is a copy)."""
         row, rows = self.row_nbytes(call.dtype), call.batch * call.tokens
+        upcasts = rows * self.upcast_bytes(call.dtype, call.need_output)
         if not call.need_output:
-            return Saves(int(self.state_only_saves * row * rows))
+            return Saves(int(self.state_only_saves * row * rows + upcasts))
         past = call.prefix if self.window is None else min(call.prefix, self.window - 1)
         op = window_attention_saved_bytes(call.batch, self.q_heads, self.kv_heads, self.qk_dim, self.v_dim,
                                           call.tokens, past, self.window, self.sinks, call.dtype,
                                           past_shared=call.batch > 1, device_type=call.device_type)
-        return Saves(int(rows * self.token_bytes(call.act) + op))
+        return Saves(int(rows * self.token_bytes(call.act) + upcasts + op))
 
     def transient_bytes(self, call: LayerCall) -> int:
         """The fused backward's buffers where ``window_attention`` takes the fused kernels (layers over every earlier

@@ -98,6 +98,56 @@ class Saves(NamedTuple):
     state_views: int = 0
 
 
+def saved_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int = 1) -> float:
+    """Bytes ``module`` (a norm: ``inputs`` tensors [rows, width] in, e.g. a gated norm's values and gate) saves
+    for backward per row on inputs of ``dtype`` that need gradients, its parameters in ``dtype`` too: counted on
+    the meta device from the tensors its forward saves (each storage once; its parameters, the optimizer's, not
+    counted; an input saved as it is counted). Cached per module class, parameter shapes, width, dtype, inputs."""
+    key = (type(module), tuple(p.shape for p in module.parameters()), width, dtype, inputs)
+    if key not in _SAVED_ROW_BYTES:
+        _SAVED_ROW_BYTES[key] = _count_saved_row_bytes(module, width, dtype, inputs)
+    return _SAVED_ROW_BYTES[key]
+
+
+_SAVED_ROW_BYTES: dict[tuple, float] = {}
+
+
+def _count_saved_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int) -> float:
+    """Per row: the saves of 16 rows less those of 8 (what does not grow with the rows, e.g. a weight's float32
+    copy, cancels), over 8."""
+    return (_count_saved_bytes(module, width, dtype, inputs, 16) - _count_saved_bytes(module, width, dtype, inputs,
+                                                                                        8)) / 8
+
+
+def _count_saved_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int, rows: int) -> int:
+    params = {name: torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=True)
+              for name, p in module.named_parameters()}
+    given = {p.untyped_storage()._cdata for p in params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage()._cdata
+        if key not in given:
+            saved[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    args = [torch.empty(rows, width, dtype=dtype, device="meta", requires_grad=True) for _ in range(inputs)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch.func.functional_call(module, params, tuple(args))
+    return sum(saved.values())
+
+
+def upcast_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int = 1) -> float:
+    """Per row, the bytes a norm ``module`` saves on half-precision inputs beyond what the calibrated per-token
+    coefficients count for it: they were fitted on float32 models, where a norm's float32 math makes no copies and
+    every saved tensor has the model dtype's size; in ``dtype`` its float32 copies are larger and new. The
+    difference of ``saved_row_bytes`` in ``dtype`` and in float32 (scaled to ``dtype``'s bytes); 0 for float32."""
+    if dtype.itemsize >= 4:
+        return 0.0
+    scaled = saved_row_bytes(module, width, torch.float32, inputs) * dtype.itemsize / 4
+    return max(0.0, saved_row_bytes(module, width, dtype, inputs) - scaled)
+
+
 def affine_merge_bytes(call: LayerCall, backward: bool, summary_elements: int, conv_channels: int,
                        conv_history: int) -> dict[str, int]:
     """Collectives of a recurrent op's CP form for a prompt chunk (``call.consecutive``; none otherwise): the

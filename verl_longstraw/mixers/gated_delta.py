@@ -17,7 +17,16 @@ from torch import nn
 from ..ops.gated_delta_rule import FLA_CHUNK, gated_delta_rule, kernel_path
 from ..parallel.gated_delta import sharded_gated_delta_rule
 from ..state import Fixed, LayerState
-from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, conv_input, per_sequence
+from .base import (
+    LayerCall,
+    MixerOp,
+    Saves,
+    SegmentContext,
+    affine_merge_bytes,
+    conv_input,
+    per_sequence,
+    saved_row_bytes,
+)
 
 PROJECTION_SAVES = 2.0  # q/k/v projections and conv outputs, per token in units of the key and value widths
 FLOAT32_SAVES = 8.0  # float32 q/k/v/decay intermediates of the chunked rule, per token in units of those widths
@@ -94,6 +103,20 @@ class GatedDelta(MixerOp):
         out = m.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return m.out_proj(out.reshape(batch, seq_len, -1)), (new_conv_state, new_recurrent_state)
 
+    def _fla_path_token_bytes(self, call: LayerCall) -> float:
+        """Bytes ``forward`` saves per token on flash-linear-attention's path, tensor by tensor: the input (the
+        projections read it), the conv's input (after the past conv inputs), its pre-activation output and its
+        activation (q, k, v are views of it), fla's saves (``_fla_token_bytes``, less v: a view), beta and the
+        float32 decay's inputs; with ``need_output`` the gated norm's (``base.saved_row_bytes`` of the module's
+        ``norm`` on each value head: its float32 copies in half precision) and the output projection's input."""
+        m, act = self.module, call.act
+        values = self.heads * self.v_dim
+        total = act * (m.hidden_size + 3 * m.conv_dim) + self._fla_token_bytes(self.v_dim, act) - act * values
+        total += self.heads * (2 * act + 3 * 4)
+        if call.need_output:
+            total += self.heads * saved_row_bytes(m.norm, self.v_dim, call.dtype, inputs=2) + act * values
+        return total
+
     def _rule_token_bytes(self, value_dim: int, saves: RuleSaves, compute: int) -> float:
         """Bytes the plain chunked rule keeps per (padded) token for values of ``value_dim`` per head."""
         return self.heads * (saves.key * self.k_dim + saves.value * value_dim + saves.chunk * CHUNK_LEN) * compute
@@ -106,8 +129,9 @@ class GatedDelta(MixerOp):
                 + 4 * (2 * self.key_heads + self.heads))
 
     def saves(self, call: LayerCall) -> Saves:
-        """The projections' per-token saves (calibrated) and the rule's: flash-linear-attention's on half CUDA
-        inputs (``kernel_path``), else the plain chunked rule's (calibrated) with its padding to whole chunks; under
+        """Per token, on flash-linear-attention's path (half CUDA inputs, ``kernel_path``) the forward's saves
+        counted tensor by tensor (``_fla_path_token_bytes``); else the projections' (calibrated) and the plain
+        chunked rule's (calibrated) with its padding to whole chunks; under
         CP for a prompt chunk the affine merge: the summary run of the rule on values [v | 0] (Dv + Dk per head)
         over the (padded) tokens, and the R gathered summaries [Dk, Dv + Dk] with the R start states [Dk, Dv]. The
         recurrence runs whether or not the output is needed."""
@@ -115,10 +139,11 @@ class GatedDelta(MixerOp):
         compute = call.compute.itemsize
         fla = kernel_path(call.device_type, call.dtype) == "fla"
         if fla:
-            rule = self._fla_token_bytes(self.v_dim, call.act)
+            per_token = self._fla_path_token_bytes(call)
         else:
             rule = 4 * (FLOAT32_SAVES * 2 * widths + RULE.chunk * self.heads * CHUNK_LEN)
-        total = call.batch * call.tokens * (call.act * PROJECTION_SAVES * widths + rule)
+            per_token = call.act * PROJECTION_SAVES * widths + rule
+        total = call.batch * call.tokens * per_token
         padding = 0 if fla else -call.tokens % CHUNK_LEN
         total += call.batch * padding * self._rule_token_bytes(self.v_dim, RULE, compute)
         if call.consecutive and call.cp_size > 1:
