@@ -56,3 +56,15 @@ def test_the_command_line_reports_and_sets_its_status(capsys):
     assert "fake CUDA tensors: a dry run, not a GPU measurement" in out and "| update replay |" in out
     with pytest.raises(SystemExit, match="--layers 65"):
         dryrun.model_config("Qwen3.5-27B", layers=65)
+
+
+def test_a_recipe_gives_the_steps_knobs_and_a_flag_replaces_one():
+    pytest.importorskip("hydra")  # veRL's; the lent GPU machine's image has neither
+    args = ["--model", "Qwen3.5-27B", "--recipe", "qwen35_27b_1m"]
+    parser_args = dryrun.parse_args([*args, "--chunk-size", "32768"])
+    step = dryrun.step_of(parser_args)
+    assert step == dryrun.Step(2097152, 8, 8192, 32768, "exact", 8, 0, True, True)  # the recipe's, chunk replaced
+    with pytest.raises(SystemExit, match="LoRA adapters are not in the dry run yet"):
+        dryrun.step_of(dryrun.parse_args([*args[:2], "--recipe", "qwen35_27b_1m_lora"]))
+    with pytest.raises(SystemExit, match="--prompt-len: required without --recipe"):
+        dryrun.step_of(dryrun.parse_args(args[:2]))

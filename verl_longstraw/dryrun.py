@@ -3,6 +3,7 @@ tensors (shapes only: no GPU, no memory, no arithmetic; ``fake_cuda``), checked 
 
     python -m verl_longstraw.dryrun --model Qwen3.5-27B --prompt-len 2097152 --cp-size 8 --checkpointed
     python -m verl_longstraw.dryrun --config path/to/config.json --prompt-len 65536 --layers 4
+    python -m verl_longstraw.dryrun --config /models/Qwen3.5-27B --recipe qwen35_27b_1m   # a recipe's step
 
 The model is built on the meta device from its config (``--model``: a name of ``models.CONFIGS``; ``--config``: a
 config.json) in the model dtype and its parameters become fake CUDA tensors. Rank ``--rank`` of a fake process
@@ -22,14 +23,20 @@ count; the collective bytes of each phase (``parallel.comm``'s trace); its own s
 (``estimate.estimate_memory`` of the same walk) is printed beside, and the exit status is non-zero when the
 estimate does not bound the measured peak, or the peak does not fit ``--gpu-gb``.
 
-Not in this dry run (yet): FSDP2 units and the optimizer step, LoRA, expert parallelism, trees and response
-segments; MoE layers run transformers' default ``grouped_mm`` experts, whose shapes do not depend on the routing.
+``--recipe NAME`` takes the step's knobs from a ``configs/recipe`` overlay as its launch.sh composes it
+(``LONGSTRAW_DRY_RUN=1 bash recipes/clusters/<recipe>/launch.sh`` runs it on the model's config.json after printing
+the config); a flag given beside it replaces that knob.
+
+Not in this dry run (yet): FSDP2 units and the optimizer step, LoRA, expert parallelism (a recipe with either is
+refused by name), trees and response segments; MoE layers run transformers' default ``grouped_mm`` experts, whose
+shapes do not depend on the routing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 from collections import Counter, defaultdict
@@ -40,7 +47,7 @@ import torch
 import transformers
 
 from . import Knobs, fake_cuda, group_backward, group_log_probs
-from .estimate import GIB, MemoryEstimate, estimate_memory
+from .estimate import GIB, MemoryEstimate, estimate_memory, recipe_training
 from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS
@@ -243,30 +250,70 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def recipe_step(name: str) -> Step:
+    """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``estimate.recipe_training``). A recipe
+    with LoRA adapters or expert parallelism, which this dry run does not run yet, is refused by name."""
+    from .configs import compose_recipe
+
+    try:
+        run = recipe_training(compose_recipe(name))
+    except ValueError as exc:
+        raise SystemExit(f"--recipe: {exc}") from exc
+    missing = [what for what, on in (("LoRA adapters", run.lora.rank), ("expert parallelism", run.expert_parallel))
+               if on]
+    if missing:
+        raise SystemExit(f"--recipe {name}: its {' and '.join(missing)} are not in the dry run yet; pass the step's "
+                         "knobs by hand (--prompt-len, --cp-size, ...) for the walk without them")
+    return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size, 0,
+                run.checkpointing, run.state_grad_on_host, run.param_dtype)
+
+
+def step_of(args: argparse.Namespace) -> Step:
+    """The step the command line asks for: ``--recipe``'s knobs (or ``Step``'s defaults) with each flag given in
+    place of its own."""
+    base = recipe_step(args.recipe) if args.recipe else None
+    if base is None and args.prompt_len is None:
+        raise SystemExit("--prompt-len: required without --recipe (or name a recipe: --recipe qwen35_27b_1m)")
+    base = base or Step(args.prompt_len)
+    given = {"prompt_len": args.prompt_len, "group_size": args.group_size, "response_len": args.response_len,
+             "chunk_size": args.chunk_size, "prompt_grad": args.prompt_grad, "cp_size": args.cp_size,
+             "rank": args.rank, "checkpointed": args.checkpointed, "state_grad_on_host": args.state_grad_on_host,
+             "dtype": DTYPES[args.dtype] if args.dtype else None}
+    return dataclasses.replace(base, **{key: value for key, value in given.items() if value is not None})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``main``'s)."""
     parser = argparse.ArgumentParser(prog="python -m verl_longstraw.dryrun", description=__doc__.split("\n\n")[0])
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", choices=sorted(CONFIGS), help="a named model (verl_longstraw.models)")
     model.add_argument("--config", help="a transformers config.json (file or directory)")
     parser.add_argument("--layers", type=int, help="the first N decoder layers only (default: all)")
-    parser.add_argument("--prompt-len", type=int, required=True)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--response-len", type=int, default=8192)
-    parser.add_argument("--chunk-size", type=int, default=65536)
-    parser.add_argument("--prompt-grad", choices=("exact", "detached"), default="exact")
-    parser.add_argument("--cp-size", type=int, default=1)
+    parser.add_argument("--recipe", help="take the step's knobs from a configs/recipe overlay, as its launch.sh "
+                                         "composes it (the flags below: the rest, or the recipe's in its place)")
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--group-size", type=int)
+    parser.add_argument("--response-len", type=int)
+    parser.add_argument("--chunk-size", type=int)
+    parser.add_argument("--prompt-grad", choices=("exact", "detached"))
+    parser.add_argument("--cp-size", type=int)
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--checkpointed", action="store_true", help="per-layer activation checkpointing")
-    parser.add_argument("--state-grad-on-host", action="store_true")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--checkpointed", action="store_true", default=None, help="per-layer activation checkpointing")
+    parser.add_argument("--state-grad-on-host", action="store_true", default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--gpu-gb", type=float, default=96.0, help="device memory in GB (10^9 bytes)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     config = model_config(args.model or args.config, args.layers)
-    step = Step(args.prompt_len, args.group_size, args.response_len, args.chunk_size, args.prompt_grad, args.cp_size,
-                args.rank, args.checkpointed, args.state_grad_on_host, DTYPES[args.dtype])
+    step = step_of(args)
     measured = dry_run(config, step)
     predicted = estimate(config, step)
     name = args.model or args.config
+    if args.recipe:
+        name += f" ({args.recipe})"
     if args.layers:
         name += f" (first {args.layers} layers)"
     print(report(name, step, measured, predicted, args.gpu_gb * 1e9))

@@ -714,6 +714,27 @@ class Training:
 
 
 VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
+VERL_DTYPES = {name: dtype for dtype, name in VERL_DTYPE_NAMES.items()}
+
+
+def recipe_training(cfg) -> Training:
+    """The ``Training`` knobs of a composed veRL config (``configs.compose_recipe``: an omegaconf ``DictConfig``):
+    lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s offload, dtypes and mixed precision, gradient
+    checkpointing, veRL's LoRA settings."""
+    actor, model = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
+    knobs, fsdp = actor.longstraw, actor.fsdp_config
+    targets = model.get("target_modules", "all-linear")
+    return Training(
+        prompt_len=cfg.data.max_prompt_length, group_size=cfg.actor_rollout_ref.rollout.n,
+        response_len=cfg.data.max_response_length, chunk_size=knobs.chunk_size, prompt_grad=knobs.prompt_grad,
+        cp_size=knobs.context_parallel_size, state_grad_on_host=knobs.state_grad_on_host,
+        offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
+        param_dtype=VERL_DTYPES[fsdp.mixed_precision.param_dtype],
+        reduce_dtype=VERL_DTYPES[fsdp.mixed_precision.reduce_dtype],
+        checkpointing=model.enable_gradient_checkpointing,
+        lora=Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets)),
+        model_dtype=VERL_DTYPES[fsdp.model_dtype], expert_parallel=knobs.get("expert_parallel", False),
+    )
 
 
 @dataclass(frozen=True)

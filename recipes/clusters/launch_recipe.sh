@@ -3,7 +3,10 @@
 # configs/recipe overlay) and NNODES set. ROLE=worker joins the head's Ray cluster; the head (default)
 # waits until NNODES x GPUS_PER_NODE GPUs have joined (with NNODES > 1 or USE_RAY_CLUSTER=1; otherwise
 # main_ppo starts Ray in-process), then runs the stock trainer on `longstraw_grpo` + the overlay.
-# LONGSTRAW_DRY_RUN=1 (head) prints the composed config (main_ppo --cfg job) without Ray or GPUs.
+# LONGSTRAW_DRY_RUN=1 (head) prints the composed config (main_ppo --cfg job) without Ray or GPUs, then runs rank 0's
+# training step of the recipe on MODEL_PATH's config.json on fake CUDA tensors (python -m verl_longstraw.dryrun
+# --recipe: its peak beside the estimate; exit status 1 where it does not fit); LONGSTRAW_DRY_RUN_ARGS adds flags
+# to it (e.g. "--gpu-gb 141", "--layers 4").
 set -euo pipefail
 
 RECIPE="${RECIPE:?set RECIPE (a configs/recipe overlay)}"
@@ -58,3 +61,7 @@ fi
   actor_rollout_ref.model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILES" data.val_files="$VAL_FILES" \
   "${EXTRA[@]}" "$@"
+if [[ "${LONGSTRAW_DRY_RUN:-0}" == 1 ]]; then
+  # shellcheck disable=SC2086
+  "$PYTHON" -m verl_longstraw.dryrun --config "$MODEL_PATH" --recipe "$RECIPE" ${LONGSTRAW_DRY_RUN_ARGS:-}
+fi

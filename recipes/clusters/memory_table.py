@@ -31,12 +31,20 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from verl_longstraw.adapters import adapter_on_meta
-from verl_longstraw.configs import config_dir
-from verl_longstraw.estimate import GIB, VERL_DTYPE_NAMES, GpuTable, Lora, Training, gpu_table, parameter_counts
+from verl_longstraw.configs import compose_recipe
+from verl_longstraw.estimate import (
+    GIB,
+    VERL_DTYPE_NAMES,
+    GpuTable,
+    Lora,
+    Training,
+    gpu_table,
+    parameter_counts,
+    recipe_training,
+)
 from verl_longstraw.models import CONFIGS
 
 CLUSTERS = Path(__file__).resolve().parent
@@ -45,7 +53,6 @@ BLOCK = re.compile(  # a README block: the opening comment names the command, th
     r"(?P<tail><!-- end -->)",
     re.S,
 )
-DTYPES = {name: dtype for dtype, name in VERL_DTYPE_NAMES.items()}  # veRL's spelling: the dtype
 
 
 MODELS = {  # each recipe's model (a CONFIGS name)
@@ -117,37 +124,9 @@ def memory(name: str, cfg: DictConfig, model: str, gpu_bytes: float | None = Non
     """The per-GPU memory of recipe ``name`` (composed: ``cfg``) on ``model``'s dims (a CONFIGS name) and GPUs of
     ``gpu_bytes`` (the recipe's, GPU_BYTES, by default), with ``change`` to its Training knobs."""
     config, adapter = _model(model)
-    run = dataclasses.replace(training(cfg), **change)
+    run = dataclasses.replace(recipe_training(cfg), **change)
     return gpu_table(config, run, int(gpu_bytes or GPU_BYTES[name]), cfg.trainer.n_gpus_per_node, adapter,
                      _parameters(model, run.lora))
-
-
-def compose_recipe(name: str) -> DictConfig:
-    """``longstraw_grpo`` + ``+recipe=<name>``, as the recipe's launch.sh composes it."""
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return compose(config_name="longstraw_grpo", overrides=[f"+recipe={name}", "actor_rollout_ref.model.path=x"])
-
-
-def training(cfg: DictConfig) -> Training:
-    """The knobs of a composed recipe config."""
-    actor = cfg.actor_rollout_ref.actor
-    knobs, fsdp = actor.longstraw, actor.fsdp_config
-    return Training(
-        prompt_len=cfg.data.max_prompt_length, group_size=cfg.actor_rollout_ref.rollout.n,
-        response_len=cfg.data.max_response_length, chunk_size=knobs.chunk_size, prompt_grad=knobs.prompt_grad,
-        cp_size=knobs.context_parallel_size, state_grad_on_host=knobs.state_grad_on_host,
-        offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
-        param_dtype=DTYPES[fsdp.mixed_precision.param_dtype], reduce_dtype=DTYPES[fsdp.mixed_precision.reduce_dtype],
-        checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
-        lora=lora(cfg.actor_rollout_ref.model), model_dtype=DTYPES[fsdp.model_dtype],
-        expert_parallel=knobs.get("expert_parallel", False),
-    )
-
-
-def lora(model: DictConfig) -> Lora:
-    """veRL's LoRA settings of the recipe's ``actor_rollout_ref.model`` (rank 0: none)."""
-    targets = model.get("target_modules", "all-linear")
-    return Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets))
 
 
 def describe(run: Training) -> str:
@@ -168,7 +147,8 @@ def table(name: str, model: str | None = None, gpu_gb: float | None = None) -> s
     cfg, model = compose_recipe(name), model or MODELS[name]
     gpu_bytes = gpu_gb * 1e9 if gpu_gb else GPU_BYTES[name]
     nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {gpu_bytes / 1e9:g} GB"
-    return f"{model} ({name}, {nodes}): {describe(training(cfg))}.\n\n{memory(name, cfg, model, gpu_bytes).markdown()}"
+    knobs = describe(recipe_training(cfg))
+    return f"{model} ({name}, {nodes}): {knobs}.\n\n{memory(name, cfg, model, gpu_bytes).markdown()}"
 
 
 def sweep(name: str, model: str | None = None, gpu_gb: float | None = None) -> str:
@@ -182,7 +162,7 @@ def sweep(name: str, model: str | None = None, gpu_gb: float | None = None) -> s
     def columns(change: dict, expert_parallel: bool | None) -> str:
         if expert_parallel is None:
             m = memory(name, cfg, model, gpu_bytes, **change)
-        elif expert_parallel and change.get("cp_size", training(cfg).cp_size) < 2:
+        elif expert_parallel and change.get("cp_size", recipe_training(cfg).cp_size) < 2:
             return "n/a | n/a | n/a"
         else:
             m = memory(name, cfg, model, gpu_bytes, **change, expert_parallel=expert_parallel)

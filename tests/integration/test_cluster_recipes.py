@@ -196,7 +196,8 @@ def test_every_overlay_knob_is_commented(name):
 @pytest.mark.parametrize("name", sorted(CLUSTER_RECIPES))
 def test_launch_script_parses_and_applies_the_recipe(tmp_path, name):
     """launch.sh and the shared launcher it runs parse, and its dry run (LONGSTRAW_DRY_RUN=1, a stand-in
-    interpreter that records the trainer's arguments) composes to this recipe with its node count."""
+    interpreter that records the trainer's and the dry run's arguments) composes to this recipe with its node count
+    and then dry-runs the recipe's step on the model's config."""
     folder, nnodes, prompt, *_ = CLUSTER_RECIPES[name]
     script, shared = CLUSTERS / folder / "launch.sh", CLUSTERS / "launch_recipe.sh"
     for path in (script, shared):
@@ -206,11 +207,13 @@ def test_launch_script_parses_and_applies_the_recipe(tmp_path, name):
     assert '--config-path "$("$PYTHON" -m verl_longstraw.configs)" --config-name longstraw_grpo' in text
     assert "ray start" in text and (CLUSTERS / folder / "README.md").is_file()
 
-    args_file = tmp_path / "main_ppo_args"
+    args_file, dry_run_file = tmp_path / "main_ppo_args", tmp_path / "dryrun_args"
     python = tmp_path / "python"
     python.write_text(f"""#!/usr/bin/env bash
 if [[ "$1 $2" == "-m verl_longstraw.configs" ]]; then echo {shlex.quote(str(config_dir()))}; exit; fi
 [[ "$1 $2" == "-m verl.trainer.main_ppo" ]] && shift 2 && printf '%s\\n' "$@" > {shlex.quote(str(args_file))}
+[[ "$1 $2" == "-m verl_longstraw.dryrun" ]] && shift 2 && printf '%s\\n' "$@" > {shlex.quote(str(dry_run_file))}
+exit 0
 """)
     python.chmod(0o755)
     env = dict(os.environ, PYTHON=str(python), LONGSTRAW_DRY_RUN="1", ROLE="head", RECIPE=name,
@@ -220,6 +223,7 @@ if [[ "$1 $2" == "-m verl_longstraw.configs" ]]; then echo {shlex.quote(str(conf
     assert f"+recipe={name}" in args and ["--cfg", "job"] == args[-2:]
     cfg = _compose_command(args[:-2])
     assert (cfg.trainer.nnodes, cfg.data.max_prompt_length) == (nnodes, prompt)
+    assert dry_run_file.read_text().split() == ["--config", "/placeholder/model", "--recipe", name]
 
 
 def _memory_table():
