@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Dry runs of the cluster recipes' shapes on fake CUDA tensors (python -m verl_longstraw.dryrun), each one raw output
 # file under benchmarks/results/dryrun/ headed by its command, the date and this CPU (lscpu's model name): a dry run,
-# not a GPU measurement. The 4-layer runs take under a minute on a 2-core CPU; the full 64 layers over 13 minutes
-# (not finished yet: the dry run's cost grows faster than its depth).
+# not a GPU measurement. The 4-layer runs take under a minute on a 2-core CPU; the full 64 layers at 2.1M about 6
+# (detached) and 19 (exact) minutes beside other work.
 #
 #   bash benchmarks/dryrun.sh            # every run below
 #   bash benchmarks/dryrun.sh NAME ...   # the named ones
@@ -15,6 +15,8 @@ declare -A RUNS=(
     # qwen35_27b_1m: 2^21-token prompt, G = 8 x 8192, 8 ranks of 96 GB, exact, state gradients on the host
     [qwen35_27b_2m_exact]="${RECIPE_27B[*]} --state-grad-on-host"
     [qwen35_27b_2m_detached]="${RECIPE_27B[*]} --prompt-grad detached"
+    # the paper's 4.46M with the prompt frozen (detached), 8 ranks
+    [qwen35_27b_4m_detached]="--model Qwen3.5-27B --prompt-len 4456448 --chunk-size 65536 --cp-size 8 --checkpointed --prompt-grad detached"
     # its first 4 layers (3 Gated DeltaNet, 1 full attention): under a minute each
     [qwen35_27b_4layers_2m_exact]="${RECIPE_27B[*]} --layers 4 --state-grad-on-host"
     [qwen35_27b_4layers_2m_detached]="${RECIPE_27B[*]} --layers 4 --prompt-grad detached"
@@ -23,7 +25,7 @@ declare -A RUNS=(
 )
 names=("$@")
 ((${#names[@]})) || names=(qwen35_27b_4layers_2m_exact qwen35_27b_4layers_2m_detached qwen35_27b_4layers_256k_one_process
-                          qwen35_27b_2m_exact qwen35_27b_2m_detached)
+                          qwen35_27b_2m_exact qwen35_27b_2m_detached qwen35_27b_4m_detached)
 mkdir -p "$OUT"
 for name in "${names[@]}"; do
     args="${RUNS[$name]:?unknown run $name (one of ${!RUNS[*]})}"
