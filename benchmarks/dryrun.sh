@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Dry runs of the cluster recipes' shapes on fake CUDA tensors (python -m verl_longstraw.dryrun), each one raw output
 # file under benchmarks/results/dryrun/ headed by its command, the date and this CPU (lscpu's model name): a dry run,
-# not a GPU measurement. The 4-layer runs take under a minute on a 2-core CPU; the full 64 layers at 2.1M about 6
-# (detached) and 19 (exact) minutes beside other work.
+# not a GPU measurement. The 4-layer runs take under a minute on a 2-core CPU; the full 64 layers about 5.5 (2.1M,
+# detached, beside other work), 8 (4.46M, detached) and 11.5 (2.1M, exact) minutes.
 #
 #   bash benchmarks/dryrun.sh            # every run below
 #   bash benchmarks/dryrun.sh NAME ...   # the named ones
