@@ -52,8 +52,12 @@ def test_the_command_line_reports_and_sets_its_status(capsys):
     args = ["--model", "Qwen3.5-27B", "--layers", "1", "--prompt-len", "4096", "--chunk-size", "2048",
             "--group-size", "2", "--response-len", "256"]
     assert dryrun.main([*args, "--gpu-gb", "0.001"]) == 1  # the walk does not fit 1 MB
-    out = capsys.readouterr().out
-    assert "fake CUDA tensors: a dry run, not a GPU measurement" in out and "| update replay |" in out
+    printed = capsys.readouterr()
+    assert "fake CUDA tensors: a dry run, not a GPU measurement" in printed.out and "| update replay |" in printed.out
+    # the progress lines count the plan's steps, and the walks ran exactly those
+    last = printed.err.strip().splitlines()[-1]
+    done, total = last.split("step ")[1].split(" ")[0].split("/")
+    assert last.startswith("[dry run] step") and done == total and int(total) > 2
     with pytest.raises(SystemExit, match="--layers 65"):
         dryrun.model_config("Qwen3.5-27B", layers=65)
 

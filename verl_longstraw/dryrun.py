@@ -27,6 +27,8 @@ estimate does not bound the measured peak, or the peak does not fit ``--gpu-gb``
 (``LONGSTRAW_DRY_RUN=1 bash recipes/clusters/<recipe>/launch.sh`` runs it on the model's config.json after printing
 the config); a flag given beside it replaces that knob.
 
+A progress line on stderr counts the walk steps of the plan (built once, read by both walks and the count).
+
 Not in this dry run (yet): FSDP2 units and the optimizer step, LoRA, expert parallelism (a recipe with either is
 refused by name), trees and response segments; MoE layers run transformers' default ``grouped_mm`` experts, whose
 shapes do not depend on the routing.
@@ -52,6 +54,7 @@ from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS
 from .parallel import comm
+from .plan import star_plan
 from .state import host
 from .timing import observe_phases
 
@@ -138,15 +141,39 @@ def fake_model(config: transformers.PretrainedConfig, dtype: torch.dtype, mode: 
     return model
 
 
+class _Progress:
+    """A progress line on ``stream`` over a dry run's ``total`` walk steps: redrawn at each step on a terminal,
+    else a line at each tenth of the steps (a log file stays short)."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        stream = stream or sys.stderr
+        self.total, self.done, self.stream, self.start = total, 0, stream, time.perf_counter()
+        self.live = getattr(stream, "isatty", lambda: False)()
+
+    def step(self, name: str) -> None:
+        """Step ``name`` ("update recompute", ...) begins."""
+        self.done += 1
+        if not self.live and self.done * 10 // self.total == (self.done - 1) * 10 // self.total:
+            return
+        seconds = int(time.perf_counter() - self.start)
+        line = f"[dry run] step {self.done}/{self.total} ({name}), {seconds // 60}m{seconds % 60:02d}s"
+        print(f"\r{line}" if self.live else line, end="" if self.live else "\n", file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        if self.live:
+            print(file=self.stream, flush=True)
+
+
 class _Meters:
     """The per-phase meters of a dry run: ``walk`` names the walk running ("log_probs", "update")."""
 
-    def __init__(self, measured: Measured, mode: fake_cuda.FakeCuda) -> None:
-        self.measured, self.mode, self.walk = measured, mode, ""
+    def __init__(self, measured: Measured, mode: fake_cuda.FakeCuda, progress: _Progress) -> None:
+        self.measured, self.mode, self.walk, self.progress = measured, mode, "", progress
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         name = f"{self.walk} {phase}"
+        self.progress.step(name)
         flops = self.mode.flops
         with self.mode.meter.phase(name), comm.trace_collectives() as records:
             yield
@@ -171,7 +198,11 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     prompt = torch.randint(0, config.vocab_size, (step.prompt_len,), generator=gen)
     responses = [torch.randint(0, config.vocab_size, (step.response_len,), generator=gen)
                  for _ in range(step.group_size)]
-    meters = _Meters(measured, mode)
+    plan = star_plan(step.prompt_len, [step.response_len] * step.group_size, step.knobs, step.cp_size, step.rank)
+    walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_)
+              if s.phase in ("capture", "replay", "recompute")]
+    progress = _Progress(len(walked))
+    meters = _Meters(measured, mode, progress)
     paths_before = _paths()
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -196,11 +227,12 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         host.host_memory.reset_peak()
         stack.enter_context(observe_phases(meters))
         meters.walk = "log_probs"
-        log_probs = group_log_probs(model, prompt, responses, cp_group=group, knobs=step.knobs)
+        log_probs = group_log_probs(model, prompt, responses, cp_group=group, knobs=step.knobs, plan=plan)
         del log_probs
         meters.walk = "update"
         result = group_backward(model, prompt, responses, lambda i, lp: lp.sum() / len(lp), cp_group=group,
-                                knobs=step.knobs)
+                                knobs=step.knobs, plan=plan)
+        progress.finish()
         measured.model_flops = result.stats.model_flops
         del result
         for hook in hooks:
