@@ -250,15 +250,14 @@ class _Layers:
         """The largest backward transient of any layer's op in the step (``MixerOp.transient_bytes``)."""
         return max((op.transient_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
-    def peak_transient(self, calls: Sequence[LayerCall], checkpointed: bool, score: int) -> int:
+    def peak_transient(self, calls: Sequence[LayerCall], held: Sequence[int], checkpointed: bool, score: int) -> int:
         """What the step's largest moment holds beyond its saved figure (``saved``), never negative. The backward
         runs the scoring first (its transient ``score`` beside every save), then the layers from the last: layer
         j's MLP half (its backward, ``MLP_BACKWARD`` x MLP width per token, beside all of layer j's saves), then
         its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's saves less its MLP half's,
         ``mlp_half_saves``). Layers above j have freed their saves by then; checkpointed, no layer but j holds
-        saves (the saved figure counts the largest layer's)."""
-        saves = [self.layer_saves(idx, call) for idx, call in enumerate(calls)]
-        held = [s.own + s.gathered + s.shared - s.state_views for s in saves]
+        saves (the saved figure counts the largest layer's). ``held``: each layer's saves less its state views
+        (``saved``'s per-layer figures)."""
         base = max(held) if checkpointed else sum(held)
         largest = score - (max(held) if checkpointed else 0)
         below = 0
@@ -435,7 +434,7 @@ def estimate_plan(
         # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
         grads = all_grads if backward_seen or checkpointed else first_backward_grads(per_layer)
         all_to_all = expert_exchange(adapter.model, tokens, dtype).transient_bytes if expert_parallel else 0
-        transient = max(layers.peak_transient(calls, checkpointed, score), all_to_all)
+        transient = max(layers.peak_transient(calls, per_layer, checkpointed, score), all_to_all)
         moment = saved - views + grads + transient
         if peak_moment is None or moment > peak_moment:
             peak_moment, peak_saved, peak_views, peak_grads, peak_transient = moment, saved, views, grads, transient
