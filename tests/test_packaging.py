@@ -40,3 +40,19 @@ def test_wheel_holds_package_and_configs(tmp_path):
                              text=True, check=True, cwd=tmp_path).stdout.strip()
     assert Path(printed) == unpacked / "verl_longstraw" / "configs"
     assert (Path(printed) / "recipe" / "kv_retrieval.yaml").is_file()
+
+
+def test_light_modules_import_without_the_model_code():
+    """The package's public names load on first use: the recipes' command-line helpers (``verl_longstraw.machine``
+    under summarize.py, ``python -m verl_longstraw.configs``) start without transformers or the walks, and every
+    public name still resolves from the package."""
+    code = ("import sys, verl_longstraw.machine, verl_longstraw.configs\n"
+            "print(sorted(m for m in ('transformers', 'verl_longstraw.api') if m in sys.modules))\n"
+            "import verl_longstraw\n"
+            "print(all(getattr(verl_longstraw, name) is not None for name in verl_longstraw.__all__))\n")
+    out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+    import verl_longstraw
+    with pytest.raises(AttributeError, match="no attribute 'group_walk'"):
+        verl_longstraw.group_walk  # noqa: B018
+    assert {"Knobs", "tree_backward", "UnsupportedModelError"} <= set(dir(verl_longstraw))
