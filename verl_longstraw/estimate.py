@@ -188,11 +188,16 @@ class _Layers:
     mixer, half after), its op's saves, and where its output is used its MLP's ``MLP`` x MLP width."""
 
     def __init__(self, config, dtype: torch.dtype, adapter: Adapter, device_type: str):
-        self.adapter = adapter
         self.ops = adapter.ops
         self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(self.ops))]
         self.hidden, self.dtype, self.device_type = config.hidden_size, dtype, device_type
         self.act = dtype.itemsize
+        # per layer and token, the half-precision excess of its norms' saves (``upcast_row_bytes``): the norm
+        # before the mixer; those after it (the MLP half's, with the layer's output used)
+        self.mixer_upcasts = [upcast_row_bytes(adapter.layer_norms(idx, False)[0], self.hidden, dtype)
+                              for idx in range(len(self.ops))]
+        self.mlp_upcasts = [sum(upcast_row_bytes(norm, self.hidden, dtype)
+                                for norm in adapter.layer_norms(idx, True)[1:]) for idx in range(len(self.ops))]
         # the rotary tables' width (``Adapter.context``: cos and sin [tokens, rotary dim]); 0 without a rotary module
         rotary = getattr(adapter.backbone, "rotary_emb", None)
         inv_freq = getattr(rotary, "inv_freq", None)
@@ -215,8 +220,7 @@ class _Layers:
         if not call.need_output and not op.kinds:
             return Saves(0)
         mixer = op.saves(call)
-        upcasts = upcast_row_bytes(self.adapter.layer_norms(idx, False)[0], self.hidden, self.dtype)
-        own = call.batch * call.tokens * (NORM / 2 * self.hidden * self.act + upcasts)
+        own = call.batch * call.tokens * (NORM / 2 * self.hidden * self.act + self.mixer_upcasts[idx])
         return mixer._replace(own=int(mixer.own + own + self.mlp_half_saves(idx, call)))
 
     def mlp_half_saves(self, idx: int, call: LayerCall) -> int:
@@ -225,9 +229,7 @@ class _Layers:
         runs its MLP half first, so these are freed before its mixer's backward runs."""
         if not call.need_output:
             return 0
-        norms = self.adapter.layer_norms(idx, True)[1:]
-        upcasts = sum(upcast_row_bytes(norm, self.hidden, self.dtype) for norm in norms)
-        per_token = (NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]) * self.act + upcasts
+        per_token = (NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]) * self.act + self.mlp_upcasts[idx]
         return int(call.batch * call.tokens * per_token)
 
     def saved(self, calls: Sequence[LayerCall], checkpointed: bool) -> tuple[int, int, int, list[int]]:
@@ -381,6 +383,8 @@ def estimate_plan(
     specs = adapter.specs()
     layers = _Layers(config, dtype, adapter, device_type)
     rank, rows = plan.rank, plan.capacity
+    # the MoE token exchange's transient per token a layer call runs (``expert_exchange``: linear in the tokens)
+    exchange_per_token = expert_exchange(adapter.model, 1, dtype).transient_bytes if expert_parallel else 0
     states_held, grads_held = plan.held(mode)
     kinds = [s for layer in specs for s in layer]
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
@@ -433,7 +437,7 @@ def estimate_plan(
         saved += extra
         # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
         grads = all_grads if backward_seen or checkpointed else first_backward_grads(per_layer)
-        all_to_all = expert_exchange(adapter.model, tokens, dtype).transient_bytes if expert_parallel else 0
+        all_to_all = tokens * exchange_per_token
         transient = max(layers.peak_transient(calls, per_layer, checkpointed, score), all_to_all)
         moment = saved - views + grads + transient
         if peak_moment is None or moment > peak_moment:
@@ -509,7 +513,7 @@ def estimate_plan(
         replay_batch=batch_most,
         staging_bytes=staging,
         layer_call_tokens=call_tokens,
-        all_to_all_bytes=expert_exchange(adapter.model, call_tokens, dtype).transient_bytes if expert_parallel else 0,
+        all_to_all_bytes=call_tokens * exchange_per_token,
         saved_state_bytes=peak_views or 0,
         backward_grad_bytes=peak_grads,
         backward_peak_saved_bytes=peak_saved,

@@ -195,8 +195,9 @@ def output(args: argparse.Namespace) -> str:
     return "\n\n".join((sweep if args.sweep else table)(name, args.model, args.gpu_gb) for name in args.recipes)
 
 
+@cache
 def rendered(args: str) -> str:
-    """The output of ``memory_table.py ARGS`` (one recipe), as a README block holds it."""
+    """The output of ``memory_table.py ARGS`` (one recipe), as a README block holds it (once per process)."""
     return output(command_line().parse_args(args.split()))
 
 
