@@ -67,7 +67,7 @@ from .lora import base_model
 from .mixers import LayerCall, Saves, layer_needs_output
 from .mixers.base import upcast_row_bytes
 from .parallel import experts as parallel_experts
-from .plan import Plan, star_plan
+from .plan import Plan, Step, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
@@ -212,6 +212,24 @@ class _Layers:
         return [LayerCall(batch, tokens, prefix, state_len, layer_needs_output(idx, layers, not last_layer_stops),
                           tuple(sizes), rank, cp_size, consecutive, self.dtype, self.device_type)
                 for idx in range(layers)]
+
+    def step_calls(self, plan: Plan, step: Step) -> list[LayerCall]:
+        """Each layer's ``LayerCall`` of ``step`` (a capture, recompute or replay) of ``plan`` on its rank: a replay
+        runs its leaves as one batch padded to the longest (a CP dummy: one token) after its parent's rows; a capture
+        or recompute this rank's part of its segment after its prefix rows, scoring nothing when the segment scores
+        nothing (its last layer stops)."""
+        rank, rows = plan.rank, plan.capacity
+        if step.phase == "replay":
+            leaves = [plan.segments[i] for i in step.segments if i is not None]
+            tokens = max((leaf.length for leaf in leaves), default=1)
+            split = step.split
+            return self.calls(max(len(leaves), 1), tokens, plan.rank_rows_after(step.parent)[rank], rows, False,
+                              split.query_sizes if split else (tokens,), rank if split else 0,
+                              plan.world if step.sharded else 1, False)
+        segment = plan.segments[step.segments[0]]
+        sizes, prefix = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)[rank]
+        own = sizes[rank if step.split is not None else 0]
+        return self.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
 
     def layer_saves(self, idx: int, call: LayerCall) -> Saves:
         """Layer ``idx``'s saves of ``call``: its op's and the norms' and MLP's around it. A layer without state
@@ -382,7 +400,7 @@ def estimate_plan(
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     specs = adapter.specs()
     layers = _Layers(config, dtype, adapter, device_type)
-    rank, rows = plan.rank, plan.capacity
+    rows = plan.capacity
     # the MoE token exchange's transient per token a layer call runs (``expert_exchange``: linear in the tokens)
     exchange_per_token = expert_exchange(adapter.model, 1, dtype).transient_bytes if expert_parallel else 0
     states_held, grads_held = plan.held(mode)
@@ -452,13 +470,8 @@ def estimate_plan(
     batch_most, call_tokens = 1, 0
     for step in plan.steps(mode):
         if step.phase == "replay":
-            leaves = [plan.segments[i] for i in step.segments if i is not None]
-            tokens = max((leaf.length for leaf in leaves), default=1)  # a batch pads to its longest; a CP dummy: 1
-            batch = max(len(leaves), 1)
-            prefix = plan.rank_rows_after(step.parent)[rank]
-            split = step.split
-            calls = layers.calls(batch, tokens, prefix, rows, False, split.query_sizes if split else (tokens,),
-                                 rank if split else 0, plan.world if step.sharded else 1, False)
+            calls = layers.step_calls(plan, step)
+            batch, tokens = calls[0].batch, calls[0].tokens  # a batch pads to its longest; a CP dummy: 1 token
             scoring = score_transient_bytes(config.vocab_size, batch * tokens, head_gradient)
             saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes, scoring, batch * tokens)
             if saved > replay:
@@ -471,11 +484,10 @@ def estimate_plan(
         if step.phase not in ("capture", "recompute"):
             continue
         segment = plan.segments[step.segments[0]]
-        sizes, prefix = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)[rank]
-        own = sizes[rank if step.split is not None else 0]
-        call_tokens = max(call_tokens, own)
         # a capture (and recompute): its tokens of all ranks against this rank's rows
-        calls = layers.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
+        calls = layers.step_calls(plan, step)
+        own = calls[0].tokens
+        call_tokens = max(call_tokens, own)
         blocks = layers.score_block(calls)
         score_block = max(score_block, blocks)
         scoring = 0

@@ -182,9 +182,9 @@ class _Walk:
         return (self.sequences.span(s.row, s.own_start, s.own_end),
                 self.sequences.span(s.row, s.own_start + 1, s.own_end + 1))
 
-    def _flops(self, tokens: int, start: int, scoring: Scoring | None) -> float:
-        """Forward FLOPs of a call of one sequence of ``tokens`` at ``start`` (``flops.ModelCost.forward``)."""
-        return self.cost.forward(tokens, start, None if scoring is None else len(scoring.targets))
+    def _flops(self, step: Step) -> float:
+        """Forward FLOPs of ``step``'s call on this rank (``flops.ModelCost.step_forward``)."""
+        return sum(self.cost.step_forward(self.plan, step).values())
 
     def _scoring(self, targets: torch.Tensor, first: int = 0) -> Scoring:
         return Scoring(targets[first:], self.temperature, self.with_entropy, first)
@@ -314,7 +314,7 @@ class _Walk:
             out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
         self.store.write(s.index, s.row_start, out.states)
         self.stats.tokens_captured += s.own_end - s.own_start
-        self.stats.model_flops += self._flops(len(inputs), s.own_start, scoring)
+        self.stats.model_flops += self._flops(step)
         self.stats.prompt_state_bytes = max(self.stats.prompt_state_bytes, self.store.nbytes())
         if s.scored:
             self._keep_segment_values(s.index, out)
@@ -363,7 +363,7 @@ class _Walk:
             if self.loss_fn is not None:
                 losses, stand_ins = self._row_losses(rows, live)
         self.stats.tokens_replayed += sum(lengths) if leaves else 0
-        forward = sum(self.cost.forward(n, start, n) for n in lengths) if leaves else 0.0  # real tokens, all scored
+        forward = self._flops(step)  # real tokens, all scored
         self.stats.model_flops += forward
         self._gather_values(step, leaves, lps, ents)
         if self.loss_fn is None:
@@ -399,7 +399,7 @@ class _Walk:
         scoring = self._segment_scoring(s.index, targets)
         with torch.enable_grad():
             out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
-        forward = self._flops(len(inputs), s.own_start, scoring)
+        forward = self._flops(step)
         self.stats.model_flops += forward
         outputs, grads = [], []
         if self.exact or self.group is not None:  # detached under CP: zero gradients, so every rank runs one graph

@@ -32,8 +32,12 @@ from torch import nn
 
 from .adapters import Adapter
 from .mixers import MixerOp, layer_needs_output
+from .plan import Plan, Step
 
 BACKWARD = 2.0  # backward FLOPs per forward FLOP: the gradients of a matmul's input and of its weight
+# The op classes the FLOPs of a call fall in: the weights' and LM head's matmuls, and the token mixers' sequence
+# mixing by their op's ``MixerOp.flop_class`` (attention-like ops, recurrent scans)
+FLOP_CLASSES = ("matmul", "attention", "scan")
 
 
 def active_params(layer: nn.Module, top_k: int) -> float:
@@ -64,10 +68,38 @@ class ModelCost:
     def forward(self, tokens: int, prefix: int, scored: int | None) -> float:
         """Forward FLOPs of one sequence of ``tokens`` at positions [prefix, prefix + tokens) in one call, the LM
         head over ``scored`` rows (None: the call scores nothing and its last layer stops at its state)."""
+        return sum(self.forward_by_class(tokens, prefix, scored).values())
+
+    def forward_by_class(self, tokens: int, prefix: int, scored: int | None) -> dict[str, float]:
+        """``forward``'s FLOPs by ``FLOP_CLASSES``: the weights and the LM head as "matmul", each token mixer's as
+        its op's ``flop_class``."""
+        out = dict.fromkeys(FLOP_CLASSES, 0.0)
         layers = len(self.ops)
-        body = sum(2 * self.layer_params[i] * tokens + self.ops[i].flops(tokens, prefix)
-                   for i in range(layers) if layer_needs_output(i, layers, scored is not None))
-        return body + 2 * self.head_params * (scored or 0)
+        for i in range(layers):
+            if layer_needs_output(i, layers, scored is not None):
+                out["matmul"] += 2 * self.layer_params[i] * tokens
+                out[self.ops[i].flop_class] += self.ops[i].flops(tokens, prefix)
+        out["matmul"] += 2 * self.head_params * (scored or 0)
+        return out
+
+    def step_forward(self, plan: Plan, step: Step) -> dict[str, float]:
+        """Forward FLOPs by class of one ``step`` of ``plan`` on its rank, as the walk (``execute``) runs it: a
+        capture or recompute runs this rank's part of its segment, scoring its scored positions (none: a segment
+        that scores nothing stops its last layer); a replay each of its leaves (this rank's under CP; a dummy: 0)
+        from the leaves' start, every token scored. A release runs nothing."""
+        if step.phase == "replay":
+            out = dict.fromkeys(FLOP_CLASSES, 0.0)
+            leaves = [plan.segments[i] for i in step.segments if i is not None]
+            for leaf in leaves:
+                tokens = leaf.own_end - leaf.own_start
+                for name, value in self.forward_by_class(tokens, leaves[0].start, tokens).items():
+                    out[name] += value
+            return out
+        if step.phase not in ("capture", "recompute"):
+            return dict.fromkeys(FLOP_CLASSES, 0.0)
+        s = plan.segments[step.segments[0]]
+        first, last = plan.own_scored(s.index)
+        return self.forward_by_class(s.own_end - s.own_start, s.own_start, last - first if s.scored else None)
 
 
 def model_cost(adapter: Adapter) -> ModelCost:

@@ -182,6 +182,7 @@ class Attention(RowAttention):
     with ``out_proj``, ``q_norm``, ``k_norm`` set to its names."""
 
     kind = "attention"
+    flop_class = "attention"
     out_proj, q_norm, k_norm = "o_proj", "q_norm", "k_norm"  # the module's names of these submodules
 
     def __init__(self, module: nn.Module):

@@ -215,6 +215,8 @@ class MixerOp(ABC):
     ``kind`` names the op for reports and benchmarks; nothing branches on it."""
 
     kind: str = ""
+    flop_class: str = "scan"  # the op class its ``flops`` run as (``flops.FLOP_CLASSES``): attention-like ops set
+    # "attention"; the recurrences (and ops counting none) are "scan"
     context_parallel: bool = True  # whether ``forward`` has a CP form (``Adapter.check_context_parallel`` asks)
 
     @property

@@ -79,6 +79,7 @@ class LatentAttention(RowAttention):
     Call shape: every head's latent-space query over one key head of the latent plus rope dims, values the latent."""
 
     kind = "mla"
+    flop_class = "attention"
     absorbed = True
     state_only_saves = STATE_ONLY_SAVES
 
