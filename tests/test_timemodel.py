@@ -52,10 +52,15 @@ def test_collectives_and_host_copies_appear_where_they_run():
     cp = phase_work(model.config, plan, "exact", torch.float32, state_grad_on_host=True)
     assert all(cp[p]["collective"] > 0 for p in PHASES) and cp["recompute"]["host_copy"] > 0
     fsdp = phase_work(model.config, plan, "exact", torch.float32, fsdp_param_bytes=1000)
-    layer_calls = cp["capture"]["layer_calls"] / model.config.num_hidden_layers  # one model call per step
-    assert fsdp["capture"]["collective"] - cp["capture"]["collective"] == pytest.approx(500 * layer_calls)
+    model_calls = cp["capture"]["layer_calls"] / model.config.num_hidden_layers  # a chunk per step
+    assert fsdp["capture"]["collective"] - cp["capture"]["collective"] == pytest.approx(500 * model_calls)
     detached = phase_work(model.config, plan, "detached", torch.float32, state_grad_on_host=True)
     assert all(detached[p]["host_copy"] == 0 for p in PHASES)
+    # a frozen base (LoRA): the matmuls' backward is their input gradient only, no gradient is reduce-scattered
+    lora = phase_work(model.config, plan, "exact", torch.float32, fsdp_param_bytes=1000, frozen_base=True)
+    forward = cp["capture"]["matmul"]  # the recompute runs the captured chunks' forward again, then its backward
+    assert (cp["recompute"]["matmul"], lora["recompute"]["matmul"]) == pytest.approx((3 * forward, 2 * forward))
+    assert fsdp["recompute"]["collective"] - lora["recompute"]["collective"] == pytest.approx(500 * model_calls)
 
 
 def test_calibrate_recovers_the_rates_of_consistent_phases():
@@ -72,8 +77,10 @@ def test_calibrate_recovers_the_rates_of_consistent_phases():
 
 def test_the_command_line_prices_a_named_models_step(capsys):
     text = main(["--model", "Qwen3.5-27B", "--prompt-len", "131072", "--cp-size", "2", "--gpu", "H20",
-                 "--prompt-grad", "detached", "exact", "--reference-seconds", "600"])
+                 "--prompt-grad", "detached", "exact", "--reference-seconds", "600", "--lora",
+                 "--reference-phase", "capture=400"])
     assert "a model, not a measurement" in text and "## detached: predicted step" in text and "## exact:" in text
-    assert text.count("| recompute |") == 2 and "Beside the reference 600 s" in text
+    assert text.count("| recompute |") == 2 and "Beside the reference 600 s" in text and "LoRA" in text
+    assert text.count("- capture in the reference's 400 s: MFU") == 2
     rates = ASSUMED.rates(DEVICES["H20"])
     assert rates["matmul"] == pytest.approx(0.6 * 148e12) and rates["collective"] == pytest.approx(0.7 * 450e9)

@@ -8,7 +8,8 @@ Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats
 
 - FLOPs by op class (``flops.ModelCost.step_forward``, the count the walk reports): "matmul", "attention_forward",
   "scan" (the recurrences); a replay or recompute adds its backward, ``flops.BACKWARD`` x its forward, as "matmul",
-  "attention_backward" and "scan";
+  "attention_backward" and "scan" (with ``frozen_base``, LoRA's frozen weights, the matmuls' backward is their input
+  gradient only: 1 x forward; the adapters' own products are not counted);
 - "collective": bytes per rank of the context-parallel collectives the step's layer calls issue (``MixerOp.
   collective_bytes`` of ``estimate``'s layer calls, forward and backward) and, with ``fsdp_param_bytes``, FSDP2's:
   each model call all-gathers the parameters (their (R - 1) / R share; again for its backward) and a backward
@@ -50,16 +51,17 @@ _BACKWARD = {"matmul": "matmul", "attention": "attention_backward", "scan": "sca
 
 def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat16, adapter: Adapter | None = None,
                state_grad_on_host: bool = False, fsdp_param_bytes: int = 0,
-               reduce_dtype: torch.dtype = torch.float32) -> dict[str, dict[str, float]]:
+               reduce_dtype: torch.dtype = torch.float32, frozen_base: bool = False) -> dict[str, dict[str, float]]:
     """Per phase (``PHASES``), the work (``WORK``: FLOPs, bytes, calls) of a walk of ``plan`` computing ``mode`` on
     its rank, in a model of ``config`` (or ``adapter``'s) in ``dtype`` (module docstring). ``fsdp_param_bytes``: the
-    whole model's parameters in their compute dtype, gathered by FSDP2 over ``plan.world`` ranks (0: no FSDP2)."""
+    whole model's parameters in their compute dtype, gathered by FSDP2 over ``plan.world`` ranks (0: no FSDP2); with
+    ``frozen_base`` (LoRA) no gradient of them is reduce-scattered."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     cost, layers = model_cost(adapter), _Layers(config, dtype, adapter, "cuda")
     world = plan.world
     gathered = fsdp_param_bytes * (world - 1) / world
-    grads_scattered = gathered * reduce_dtype.itemsize / dtype.itemsize
+    grads_scattered = 0 if frozen_base else gathered * reduce_dtype.itemsize / dtype.itemsize
     row_grad_bytes = sum(s.nbytes(1, torch.float32) for layer in adapter.specs() for s in layer if s.differentiable)
     work = {phase: dict.fromkeys(WORK, 0.0) for phase in PHASES}
     for step in plan.steps(mode):
@@ -70,7 +72,7 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
         for name, value in cost.step_forward(plan, step).items():
             out[_FORWARD[name]] += value
             if backward:
-                out[_BACKWARD[name]] += BACKWARD * value
+                out[_BACKWARD[name]] += (1.0 if frozen_base and name == "matmul" else BACKWARD) * value
         calls = layers.step_calls(plan, step)
         out["layer_calls"] += len(calls)
         out["collective"] += sum(sum(op.collective_bytes(call, backward).values())
@@ -208,7 +210,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--prompt-grad", nargs="+", choices=("exact", "detached"), default=["detached", "exact"])
     parser.add_argument("--state-grad-on-host", action="store_true")
     parser.add_argument("--gpu", choices=sorted(DEVICES), default="H20")
+    parser.add_argument("--lora", action="store_true", help="a frozen base (LoRA): no weight gradients")
     parser.add_argument("--reference-seconds", type=float, help="a measured step to set beside the prediction")
+    parser.add_argument("--reference-phase", nargs="*", default=[], metavar="PHASE=SECONDS",
+                        help="measured seconds of phases (capture, replay, recompute): the MFU each needs")
     args = parser.parse_args(argv)
     config = CONFIGS[args.model]()
     adapter = adapter_on_meta(config.get_text_config())
@@ -217,12 +222,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     params = sum(p.numel() for p in adapter.model.parameters()) * torch.bfloat16.itemsize
     plan = star_plan(args.prompt_len, [args.response_len] * args.group_size, Knobs(chunk_size=args.chunk_size),
                      args.cp_size, 0)
-    lines = [f"# Time model (a model, not a measurement): {args.model}, P = {args.prompt_len:,}, G = "
-             f"{args.group_size} x {args.response_len:,}, chunk {args.chunk_size:,}, CP {args.cp_size}, rank 0, "
+    lines = [f"# Time model (a model, not a measurement): {args.model}{' LoRA' if args.lora else ''}, P = "
+             f"{args.prompt_len:,}, G = {args.group_size} x {args.response_len:,}, chunk {args.chunk_size:,}, CP "
+             f"{args.cp_size}, rank 0, "
              f"{args.gpu} (bf16 {device.bf16_flops / 1e12:.0f} TFLOP/s), efficiencies assumed: {ASSUMED}", ""]
     for mode in args.prompt_grad:
         work = phase_work(config, plan, mode, adapter=adapter, state_grad_on_host=args.state_grad_on_host,
-                          fsdp_param_bytes=params)
+                          fsdp_param_bytes=params, frozen_base=args.lora)
         rows, total = _table(work, rates, device.bf16_flops)
         lines += [f"## {mode}: predicted step {total:,.0f} s", "", "| phase | PFLOPs | s | MFU | by class |",
                   "|---|---:|---:|---:|---|", *rows, ""]
@@ -231,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> str:
             lines += [f"Beside the reference {args.reference_seconds:,.0f} s: {total / args.reference_seconds:.2f}x; "
                       f"the step's FLOPs in that time are {flops / args.reference_seconds / device.bf16_flops:.1%} "
                       f"of peak, each phase at its predicted MFU x {total / args.reference_seconds:.2f}.", ""]
+        for phase, measured in (item.split("=") for item in args.reference_phase):
+            flops, modelled = sum(work[phase][name] for name in FLOP_WORK), seconds(work[phase], rates)
+            lines.append(f"- {phase} in the reference's {float(measured):,.0f} s: MFU "
+                         f"{flops / float(measured) / device.bf16_flops:.1%} (the model: {modelled:,.0f} s)")
+        lines += [""] if args.reference_phase else []
     text = "\n".join(lines)
     print(text)
     return text
