@@ -48,6 +48,15 @@ def test_every_phase_is_measured_and_the_estimate_bounds_the_peak(measured):
     assert measured.host_peak_bytes == predicted.host_bytes > 0  # the state-gradient sums and their staging buffer
 
 
+def test_the_time_models_collectives_are_the_dry_runs(measured):
+    """The time model's collective bytes of each phase (``timemodel.phase_work``, the checkpointed forward's twice)
+    are what the fake process group passed, but for the rounds' loss gathers (tens of bytes)."""
+    work = dryrun.modelled_work(dryrun.model_config("Qwen3.5-27B", layers=4), STEP)
+    assert set(work) == set(measured.phase_collective_bytes)
+    for phase, amounts in work.items():
+        assert amounts["collective"] == pytest.approx(measured.phase_collective_bytes[phase], abs=1024), phase
+
+
 def test_the_command_line_reports_and_sets_its_status(capsys):
     args = ["--model", "Qwen3.5-27B", "--layers", "1", "--prompt-len", "4096", "--chunk-size", "2048",
             "--group-size", "2", "--response-len", "256"]

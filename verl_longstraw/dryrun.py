@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from . import Knobs, fake_cuda, group_backward, group_log_probs
+from . import Knobs, fake_cuda, group_backward, group_log_probs, timemodel
 from .estimate import GIB, MemoryEstimate, estimate_memory, recipe_training
 from .models import CONFIGS
 from .ops import gated_delta_rule
@@ -56,6 +56,7 @@ from .ops.attention import ATTENTION_PATHS
 from .parallel import comm
 from .plan import star_plan
 from .state import host
+from .timemodel import phase_work
 from .timing import observe_phases
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -256,17 +257,34 @@ def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimat
                            checkpointed=step.checkpointed, device_type="cuda")
 
 
-def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate, gpu_bytes: float) -> str:
-    """The dry run's table: per phase the peak GiB, TFLOPs (torch's count) and collective GiB; then the step's
+def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str, dict[str, float]]:
+    """The time model's work (``timemodel.phase_work``) of each phase the dry run measures, keyed as ``Measured``'s
+    ("log_probs capture", "update replay", ...)."""
+    plan = star_plan(step.prompt_len, [step.response_len] * step.group_size, step.knobs, step.cp_size, step.rank)
+    out = {}
+    for walk, mode in (("log_probs", "log_probs"), ("update", step.prompt_grad)):
+        work = phase_work(config, plan, mode, step.dtype, state_grad_on_host=step.state_grad_on_host,
+                          checkpointed=step.checkpointed)
+        out |= {f"{walk} {phase}": amounts for phase, amounts in work.items() if amounts["layer_calls"]}
+    return out
+
+
+def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate, gpu_bytes: float,
+           work: dict[str, dict[str, float]], gpu: str) -> str:
+    """The dry run's table: per phase the peak GiB, TFLOPs (torch's count) and collective GiB beside the time
+    model's (``work``: ``modelled_work``) and its seconds on ``gpu`` at its assumed efficiencies; then the step's
     peak beside the estimate, the largest tensor, the attention paths and the verdicts."""
     lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}, chunk {step.chunk_size}, "
              f"{step.prompt_grad}, rank {step.rank} of {step.cp_size}, checkpointed {step.checkpointed}, "
              f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')} (fake CUDA "
              "tensors: a dry run, not a GPU measurement)", "",
-             "| phase | peak GiB | TFLOPs (torch) | collective GiB |", "|---|---:|---:|---:|"]
+             f"| phase | peak GiB | TFLOPs (torch) | collective GiB | time model: collective GiB | s on {gpu} |",
+             "|---|---:|---:|---:|---:|---:|"]
+    rates = timemodel.ASSUMED.rates(timemodel.DEVICES[gpu])
     for phase, peak in measured.phase_bytes.items():
         lines.append(f"| {phase} | {peak / GIB:.2f} | {measured.phase_flops[phase] / 1e12:.1f} | "
-                     f"{measured.phase_collective_bytes[phase] / GIB:.2f} |")
+                     f"{measured.phase_collective_bytes[phase] / GIB:.2f} | {work[phase]['collective'] / GIB:.2f} | "
+                     f"{timemodel.seconds(work[phase], rates):.0f} |")
     ratio = predicted.total_bytes / max(measured.peak_bytes, 1)
     update_flops = sum(f for p, f in measured.phase_flops.items() if p.startswith("update"))
     lines += ["",
@@ -278,7 +296,8 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
               f"largest tensor {measured.largest_tensor_bytes / GIB:.2f} GiB ({measured.largest_tensor_numel} "
               f"elements{', past 2^31' if measured.largest_tensor_numel >= 2**31 else ''})",
               f"attention paths: {dict(sorted(measured.attention_paths.items()))}",
-              f"dry run {measured.seconds:.1f} s"]
+              f"dry run {measured.seconds:.1f} s; the seconds are the time model's (verl_longstraw.timemodel: a "
+              "model at assumed efficiencies, without FSDP2's gathers), not the dry run's"]
     return "\n".join(lines)
 
 
@@ -334,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--state-grad-on-host", action="store_true", default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--gpu-gb", type=float, default=96.0, help="device memory in GB (10^9 bytes)")
+    parser.add_argument("--gpu", choices=sorted(timemodel.DEVICES), default="H20",
+                        help="the GPU the time model prices each phase on")
     return parser.parse_args(argv)
 
 
@@ -348,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         name += f" ({args.recipe})"
     if args.layers:
         name += f" (first {args.layers} layers)"
-    print(report(name, step, measured, predicted, args.gpu_gb * 1e9))
+    print(report(name, step, measured, predicted, args.gpu_gb * 1e9, modelled_work(config, step), args.gpu))
     bounded = predicted.total_bytes >= measured.peak_bytes
     fits = measured.peak_bytes <= args.gpu_gb * 1e9
     print(f"estimate bounds the dry run: {bounded}; walk fits {args.gpu_gb:g} GB: {fits}")

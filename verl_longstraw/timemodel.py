@@ -9,9 +9,11 @@ Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats
 - FLOPs by op class (``flops.ModelCost.step_forward``, the count the walk reports): "matmul", "attention_forward",
   "scan" (the recurrences); a replay or recompute adds its backward, ``flops.BACKWARD`` x its forward, as "matmul",
   "attention_backward" and "scan" (with ``frozen_base``, LoRA's frozen weights, the matmuls' backward is their input
-  gradient only: 1 x forward; the adapters' own products are not counted);
+  gradient only: 1 x forward; the adapters' own products are not counted); ``checkpointed`` (per-layer activation
+  checkpointing) runs each backward step's forward again inside its backward: its FLOPs and collectives twice;
 - "collective": bytes per rank of the context-parallel collectives the step's layer calls issue (``MixerOp.
-  collective_bytes`` of ``estimate``'s layer calls, forward and backward) and, with ``fsdp_param_bytes``, FSDP2's:
+  collective_bytes`` of ``estimate``'s layer calls, forward and backward), a replay round's gather of the log-probs
+  (entropies, where asked, are gathered as many again: not counted) and, with ``fsdp_param_bytes``, FSDP2's:
   each model call all-gathers the parameters (their (R - 1) / R share; again for its backward) and a backward
   reduce-scatters their gradients in ``reduce_dtype``;
 - "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the float32
@@ -51,7 +53,8 @@ _BACKWARD = {"matmul": "matmul", "attention": "attention_backward", "scan": "sca
 
 def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat16, adapter: Adapter | None = None,
                state_grad_on_host: bool = False, fsdp_param_bytes: int = 0,
-               reduce_dtype: torch.dtype = torch.float32, frozen_base: bool = False) -> dict[str, dict[str, float]]:
+               reduce_dtype: torch.dtype = torch.float32, frozen_base: bool = False,
+               checkpointed: bool = False) -> dict[str, dict[str, float]]:
     """Per phase (``PHASES``), the work (``WORK``: FLOPs, bytes, calls) of a walk of ``plan`` computing ``mode`` on
     its rank, in a model of ``config`` (or ``adapter``'s) in ``dtype`` (module docstring). ``fsdp_param_bytes``: the
     whole model's parameters in their compute dtype, gathered by FSDP2 over ``plan.world`` ranks (0: no FSDP2); with
@@ -68,16 +71,21 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
         if step.phase not in PHASES:
             continue
         out = work[step.phase]
-        backward = step.phase != "capture"
+        backward = step.phase != "capture" and mode != "log_probs"  # a log-prob walk runs no backward
+        forwards = 2 if backward and checkpointed else 1
         for name, value in cost.step_forward(plan, step).items():
-            out[_FORWARD[name]] += value
+            out[_FORWARD[name]] += forwards * value
             if backward:
                 out[_BACKWARD[name]] += (1.0 if frozen_base and name == "matmul" else BACKWARD) * value
         calls = layers.step_calls(plan, step)
         out["layer_calls"] += len(calls)
         out["collective"] += sum(sum(op.collective_bytes(call, backward).values())
+                                 + (forwards - 1) * sum(op.collective_bytes(call, False).values())
                                  for op, call in zip(adapter.ops, calls, strict=True))
         out["collective"] += gathered * (2 if backward else 1) + (grads_scattered if backward else 0)
+        if step.round:  # a CP replay round gathers every rank's float32 log-probs, padded to the longest
+            scored = [1 if leaf is None else plan.segments[leaf].scored for leaf in step.round]  # a dummy scores 1
+            out["collective"] += world * max(scored) * torch.float32.itemsize
         if state_grad_on_host and backward and mode == "exact":
             read = calls[0].prefix  # the state rows the step read: their gradient goes to the host sums
             own = calls[0].tokens if step.phase == "recompute" else 0  # its own rows' sums come back
@@ -209,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--prompt-grad", nargs="+", choices=("exact", "detached"), default=["detached", "exact"])
     parser.add_argument("--state-grad-on-host", action="store_true")
+    parser.add_argument("--checkpointed", action="store_true", help="per-layer activation checkpointing")
     parser.add_argument("--gpu", choices=sorted(DEVICES), default="H20")
     parser.add_argument("--lora", action="store_true", help="a frozen base (LoRA): no weight gradients")
     parser.add_argument("--reference-seconds", type=float, help="a measured step to set beside the prediction")
@@ -228,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> str:
              f"{args.gpu} (bf16 {device.bf16_flops / 1e12:.0f} TFLOP/s), efficiencies assumed: {ASSUMED}", ""]
     for mode in args.prompt_grad:
         work = phase_work(config, plan, mode, adapter=adapter, state_grad_on_host=args.state_grad_on_host,
-                          fsdp_param_bytes=params, frozen_base=args.lora)
+                          fsdp_param_bytes=params, frozen_base=args.lora, checkpointed=args.checkpointed)
         rows, total = _table(work, rates, device.bf16_flops)
         lines += [f"## {mode}: predicted step {total:,.0f} s", "", "| phase | PFLOPs | s | MFU | by class |",
                   "|---|---:|---:|---:|---|", *rows, ""]
