@@ -16,8 +16,9 @@ Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats
   (entropies, where asked, are gathered as many again: not counted) and, with ``fsdp_param_bytes``, FSDP2's:
   each model call all-gathers the parameters (their (R - 1) / R share; again for its backward) and a backward
   reduce-scatters their gradients in ``reduce_dtype``;
-- "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the float32
-  gradient of every differentiable state row it read) and those a recompute reads back (its own rows');
+- "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the gradient
+  of the differentiable state it read: every row of its prefix, and a fixed-size state once; model dtype) and the
+  float32 sums a recompute reads back (its own state's);
 - "layer_calls": decoder-layer calls, each priced at a fixed cost (kernel launches on a GPU, Python dispatch on a
   CPU).
 
@@ -65,7 +66,7 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
     world = plan.world
     gathered = fsdp_param_bytes * (world - 1) / world
     grads_scattered = 0 if frozen_base else gathered * reduce_dtype.itemsize / dtype.itemsize
-    row_grad_bytes = sum(s.nbytes(1, torch.float32) for layer in adapter.specs() for s in layer if s.differentiable)
+    differentiable = [s for layer in adapter.specs() for s in layer if s.differentiable]
     work = {phase: dict.fromkeys(WORK, 0.0) for phase in PHASES}
     for step in plan.steps(mode):
         if step.phase not in PHASES:
@@ -87,9 +88,10 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
             scored = [1 if leaf is None else plan.segments[leaf].scored for leaf in step.round]  # a dummy scores 1
             out["collective"] += world * max(scored) * torch.float32.itemsize
         if state_grad_on_host and backward and mode == "exact":
-            read = calls[0].prefix  # the state rows the step read: their gradient goes to the host sums
-            own = calls[0].tokens if step.phase == "recompute" else 0  # its own rows' sums come back
-            out["host_copy"] += (read + own) * row_grad_bytes
+            read = calls[0].prefix  # the gradient of the state it read goes to the host sums (model dtype)
+            out["host_copy"] += sum(s.nbytes(read, dtype) for s in differentiable) if read else 0
+            if step.phase == "recompute":  # its own state's float32 sums come back to the device
+                out["host_copy"] += sum(s.nbytes(calls[0].tokens, torch.float32) for s in differentiable)
     return work
 
 
