@@ -84,3 +84,26 @@ def test_the_command_line_prices_a_named_models_step(capsys):
     assert text.count("- capture in the reference's 400 s: MFU") == 2
     rates = ASSUMED.rates(DEVICES["H20"])
     assert rates["matmul"] == pytest.approx(0.6 * 148e12) and rates["collective"] == pytest.approx(0.7 * 450e9)
+
+
+def test_the_cpu_validation_bench_fits_two_settings_and_predicts_the_rest(tmp_path, monkeypatch):
+    """benchmarks/bench_time_model.py on tiny settings: rates fitted on the calibration settings, a row per setting
+    with its error, the held-out count (its exit status says whether all are within 25%: not asserted, the box's
+    speed decides it)."""
+    from pathlib import Path
+
+    from verl_longstraw.testing.scripts import load_script
+
+    bench = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_time_model.py")
+    setting = bench.Setting
+    monkeypatch.setattr(bench, "MODEL", {"max_position_embeddings": 512})
+    monkeypatch.setattr(bench, "CALIBRATION", (setting("A", 64, 2, 8, 16, "exact"), setting("B", 128, 2, 16, 32,
+                                                                                             "exact")))
+    monkeypatch.setattr(bench, "PREDICTED", (setting("C", 96, 3, 8, 32, "detached"),
+                                             setting("T", 32, 2, 8, 16, "exact", tree=True, question=8)))
+    monkeypatch.setattr("sys.argv", ["bench", "--repeats", "1", "--out", str(tmp_path), "--name", "tiny"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    text = (tmp_path / "tiny.md").read_text()
+    assert all(f"| {name} |" in text for name in "ABCT") and "Held-out settings: 2" in text
+    assert any(line.startswith("| matmul |") or line.startswith("| scan |") for line in text.splitlines())
