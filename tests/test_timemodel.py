@@ -82,6 +82,9 @@ def test_the_command_line_prices_a_named_models_step(capsys):
     assert "a model, not a measurement" in text and "## detached: predicted step" in text and "## exact:" in text
     assert text.count("| recompute |") == 2 and "Beside the reference 600 s" in text and "LoRA" in text
     assert text.count("- capture in the reference's 400 s: MFU") == 2
+    assert "CP 2 (NVLink collectives)" in text
+    wide = main(["--model", "Qwen3.5-27B", "--prompt-len", "131072", "--cp-size", "16", "--prompt-grad", "detached"])
+    assert "CP 16 (inter-node collectives)" in wide
     rates = ASSUMED.rates(DEVICES["H20"])
     assert rates["matmul"] == pytest.approx(0.6 * 148e12) and rates["collective"] == pytest.approx(0.7 * 450e9)
 

@@ -221,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--state-grad-on-host", action="store_true")
     parser.add_argument("--checkpointed", action="store_true", help="per-layer activation checkpointing")
     parser.add_argument("--gpu", choices=sorted(DEVICES), default="H20")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="a larger --cp-size crosses nodes")
     parser.add_argument("--lora", action="store_true", help="a frozen base (LoRA): no weight gradients")
     parser.add_argument("--reference-seconds", type=float, help="a measured step to set beside the prediction")
     parser.add_argument("--reference-phase", nargs="*", default=[], metavar="PHASE=SECONDS",
@@ -229,13 +230,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     config = CONFIGS[args.model]()
     adapter = adapter_on_meta(config.get_text_config())
     device = DEVICES[args.gpu]
-    rates = ASSUMED.rates(device)
+    internode = args.cp_size > args.gpus_per_node  # a CP group past one node: its collectives cross the network
+    rates = ASSUMED.rates(device, internode)
     params = sum(p.numel() for p in adapter.model.parameters()) * torch.bfloat16.itemsize
     plan = star_plan(args.prompt_len, [args.response_len] * args.group_size, Knobs(chunk_size=args.chunk_size),
                      args.cp_size, 0)
     lines = [f"# Time model (a model, not a measurement): {args.model}{' LoRA' if args.lora else ''}, P = "
              f"{args.prompt_len:,}, G = {args.group_size} x {args.response_len:,}, chunk {args.chunk_size:,}, CP "
-             f"{args.cp_size}, rank 0, "
+             f"{args.cp_size} ({'inter-node' if internode else 'NVLink'} collectives), rank 0, "
              f"{args.gpu} (bf16 {device.bf16_flops / 1e12:.0f} TFLOP/s), efficiencies assumed: {ASSUMED}", ""]
     for mode in args.prompt_grad:
         work = phase_work(config, plan, mode, adapter=adapter, state_grad_on_host=args.state_grad_on_host,
