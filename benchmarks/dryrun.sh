@@ -17,7 +17,8 @@ declare -A RUNS=(
     [qwen35_27b_2m_detached]="${RECIPE_27B[*]} --prompt-grad detached"
     # the paper's 4.46M with the prompt frozen (detached), 8 ranks
     [qwen35_27b_4m_detached]="--model Qwen3.5-27B --prompt-len 4456448 --chunk-size 65536 --cp-size 8 --checkpointed --prompt-grad detached"
-    # the longest prompt the qwen35_27b_1m step fits exact on 8 x 96 GB by the estimate (the recipe's knobs)
+    # the longest prompt the qwen35_27b_1m step fits exact on 8 x 96 GB by the estimate (the recipe's knobs); 269
+    # steps, about 30 quiet minutes at the 2.1M exact run's rate (not yet run to its end)
     [qwen35_27b_longest_exact]="--model Qwen3.5-27B --prompt-len 5832704 --chunk-size 65536 --cp-size 8 --checkpointed --state-grad-on-host"
     # its first 4 layers (3 Gated DeltaNet, 1 full attention): under a minute each
     [qwen35_27b_4layers_2m_exact]="${RECIPE_27B[*]} --layers 4 --state-grad-on-host"
