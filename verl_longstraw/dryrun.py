@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections import Counter, defaultdict
@@ -54,9 +55,9 @@ from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS
 from .parallel import comm
-from .plan import star_plan
+from .plan import Plan, star_plan
 from .state import host
-from .timemodel import phase_work
+from .timemodel import PHASES
 from .timing import observe_phases
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -82,6 +83,12 @@ class Step:
     def knobs(self) -> Knobs:
         return Knobs(chunk_size=self.chunk_size, prompt_grad=self.prompt_grad,
                      state_grad_on_host=self.state_grad_on_host)
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        """The walk's plan on its rank (``plan.star_plan``), built once: both walks, the progress count and the time
+        model read it."""
+        return star_plan(self.prompt_len, [self.response_len] * self.group_size, self.knobs, self.cp_size, self.rank)
 
 
 @dataclass
@@ -199,9 +206,8 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     prompt = torch.randint(0, config.vocab_size, (step.prompt_len,), generator=gen)
     responses = [torch.randint(0, config.vocab_size, (step.response_len,), generator=gen)
                  for _ in range(step.group_size)]
-    plan = star_plan(step.prompt_len, [step.response_len] * step.group_size, step.knobs, step.cp_size, step.rank)
-    walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_)
-              if s.phase in ("capture", "replay", "recompute")]
+    plan = step.plan
+    walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_) if s.phase in PHASES]
     progress = _Progress(len(walked))
     meters = _Meters(measured, mode, progress)
     paths_before = _paths()
@@ -260,10 +266,9 @@ def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimat
 def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str, dict[str, float]]:
     """The time model's work (``timemodel.phase_work``) of each phase the dry run measures, keyed as ``Measured``'s
     ("log_probs capture", "update replay", ...)."""
-    plan = star_plan(step.prompt_len, [step.response_len] * step.group_size, step.knobs, step.cp_size, step.rank)
     out = {}
     for walk, mode in (("log_probs", "log_probs"), ("update", step.prompt_grad)):
-        work = phase_work(config, plan, mode, step.dtype, state_grad_on_host=step.state_grad_on_host,
+        work = timemodel.phase_work(config, step.plan, mode, step.dtype, state_grad_on_host=step.state_grad_on_host,
                           checkpointed=step.checkpointed)
         out |= {f"{walk} {phase}": amounts for phase, amounts in work.items() if amounts["layer_calls"]}
     return out
