@@ -5,12 +5,14 @@ bounds the measured peak and matches the host bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 
 import pytest
 
 from verl_longstraw import dryrun
-from verl_longstraw.estimate import GIB
+from verl_longstraw.estimate import GIB, Lora
+from verl_longstraw.parallel import transformers_ep
 
 STEP = dryrun.Step(65536, group_size=4, response_len=2048, chunk_size=16384, cp_size=4, checkpointed=True,
                    state_grad_on_host=True)
@@ -77,7 +79,37 @@ def test_a_recipe_gives_the_steps_knobs_and_a_flag_replaces_one():
     parser_args = dryrun.parse_args([*args, "--chunk-size", "32768"])
     step = dryrun.step_of(parser_args)
     assert step == dryrun.Step(2097152, 8, 8192, 32768, "exact", 8, 0, True, True)  # the recipe's, chunk replaced
-    with pytest.raises(SystemExit, match="LoRA adapters are not in the dry run yet"):
-        dryrun.step_of(dryrun.parse_args([*args[:2], "--recipe", "qwen35_27b_1m_lora"]))
+    lora = dryrun.step_of(dryrun.parse_args([*args[:2], "--recipe", "qwen35_397b_ep_lora", "--lora-rank", "16"]))
+    assert lora.expert_parallel and lora.cp_size == 16 and lora.lora == Lora(16, (
+        "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"))  # the recipe's targets
+    with pytest.raises(SystemExit, match="--routing-skew 3: .*between their share"):
+        dryrun.step_of(dryrun.parse_args([*args, "--expert-parallel", "--cp-size", "2", "--routing-skew", "3"]))
     with pytest.raises(SystemExit, match="--prompt-len: required without --recipe"):
         dryrun.step_of(dryrun.parse_args(args[:2]))
+
+
+def test_the_split_sizes_send_every_pair_and_skew_one_rank():
+    assert dryrun.split_sizes(12, 4, 1, 1.0) == [3] * 4 + [3] * 4  # sent to each rank, then received from each
+    assert dryrun.split_sizes(10, 4, 1, 1.0) == [3, 2, 3, 2] + [2] * 4  # every pair sent once
+    assert dryrun.split_sizes(12, 4, 2, 2.0) == [2, 2, 6, 2] + [6] * 4  # rank 2's experts: twice their share
+
+
+@pytest.mark.skipif(transformers_ep.installed_release() < transformers_ep.MIN_TRANSFORMERS,
+                    reason="expert parallelism needs transformers' ep_dispatch_experts plan")
+def test_lora_and_expert_parallelism_run_as_the_engine_runs_them():
+    """The 397B-class MoE hybrid's first 4 layers (its real width) on 4 fake ranks, LoRA on the attention and Gated
+    DeltaNet projections, the routed experts split 4 ways: the walks run, only the adapters train, the estimate
+    bounds the peak; a capture's expert exchange sends a rank's pairs and gets back what its experts received, so
+    skewing the routing 3x to this rank's experts doubles it ((1 + 3) / 2) and raises the peak."""
+    config = dryrun.model_config("Qwen3.5-397B-A17B", layers=4)
+    step = dryrun.Step(16384, group_size=2, response_len=128, chunk_size=8192, cp_size=4, checkpointed=True,
+                       lora=Lora(8, ("q_proj", "in_proj_qkv")), expert_parallel=True)
+    balanced = dryrun.dry_run(config, step)
+    skewed = dryrun.dry_run(config, dataclasses.replace(step, routing_skew=3.0))
+    capture = "log_probs capture"
+    assert balanced.phase_expert_bytes[capture] > 0
+    assert skewed.phase_expert_bytes[capture] == 2 * balanced.phase_expert_bytes[capture]
+    assert skewed.peak_bytes > balanced.peak_bytes
+    assert len(balanced.trained) == 2 * 4 and all(".lora_A." in name or ".lora_B." in name
+                                                  for name in balanced.trained)  # q_proj: 1 layer, in_proj_qkv: 3
+    assert dryrun.estimate(config, step).total_bytes >= balanced.peak_bytes

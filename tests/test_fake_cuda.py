@@ -4,6 +4,7 @@ FLOP count; the fake process group; the CUDA runtime stand-ins, restored on exit
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -127,3 +128,19 @@ def test_the_fake_process_group_answers_collectives_and_objects():
             dist.all_gather_object(objects, {"rank": 1}, group=group)
         assert objects == [{"rank": 1}] * 4  # every rank agrees with this one
     assert not dist.is_initialized()
+
+
+def test_host_reads_of_fake_values_are_answered_exactly_as_given():
+    mode = fake_cuda.FakeCuda()
+    with fake_cuda.fake_cuda_runtime(), mode:
+        sizes = torch.zeros(2, 3, dtype=torch.long, device=fake_cuda.CUDA)
+        with mode.answering([1, 2, 3, 4, 5, 6]):
+            assert sizes.tolist() == [[1, 2, 3], [4, 5, 6]]
+        with pytest.raises(Exception, match="_local_scalar_dense"):  # outside a block: torch's refusal
+            sizes.tolist()
+        with pytest.raises(ValueError, match="more host reads"), mode.answering([1, 2]):
+            sizes.tolist()
+        with pytest.raises(ValueError, match="fewer host reads"), mode.answering([1, 2, 3, 4, 5, 6, 7]):
+            sizes.tolist()
+        with mode.answering([5]):  # a real CPU tensor is read for real, in a block too
+            assert int(torch.tensor(7)) == 7 and sizes[1, 2].item() == 5

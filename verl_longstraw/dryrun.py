@@ -29,9 +29,17 @@ the config); a flag given beside it replaces that knob.
 
 A progress line on stderr counts the walk steps of the plan (built once, read by both walks and the count).
 
-Not in this dry run (yet): FSDP2 units and the optimizer step, LoRA, expert parallelism (a recipe with either is
-refused by name), trees and response segments; MoE layers run transformers' default ``grouped_mm`` experts, whose
-shapes do not depend on the routing.
+LoRA (``--lora-rank``, ``--lora-targets``; a recipe's ``lora_rank``) wraps the model as veRL does
+(``estimate.Lora.wrap``: peft, the base frozen): only the adapters' gradients are made. Expert parallelism
+(``--expert-parallel``; a recipe's ``longstraw.expert_parallel``) splits the routed experts over the fake CP group
+as the engine does (``parallel.experts.apply_expert_parallel``: E / R per rank, tokens exchanged by transformers'
+all-to-all, whose bytes each phase reports). Its one host sync per MoE layer, the per-rank split sizes, reads
+routing a fake router does not have: ``routed`` answers it with balanced routing, as the estimate assumes (each
+rank sends 1/R of its (token, expert) pairs to every rank), or with ``--routing-skew S`` this rank's experts
+receiving S times their share from every rank. Without expert parallelism MoE layers run transformers' default
+``grouped_mm`` experts, whose shapes do not depend on the routing.
+
+Not in this dry run (yet): FSDP2 units and the optimizer step, trees and response segments.
 """
 
 from __future__ import annotations
@@ -48,13 +56,14 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from torch.distributed.tensor import DTensor
 
 from . import Knobs, fake_cuda, group_backward, group_log_probs, timemodel
-from .estimate import GIB, MemoryEstimate, estimate_memory, recipe_training
+from .estimate import GIB, Lora, MemoryEstimate, estimate_memory, recipe_training
 from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS
-from .parallel import comm
+from .parallel import comm, experts, transformers_ep
 from .plan import Plan, star_plan
 from .state import host
 from .timemodel import PHASES
@@ -66,7 +75,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 @dataclass(frozen=True)
 class Step:
     """The walk of one rank: a prompt of ``prompt_len`` tokens, ``group_size`` responses of ``response_len``,
-    on rank ``rank`` of ``cp_size``."""
+    on rank ``rank`` of ``cp_size``; LoRA adapters per ``lora`` (rank 0: none); the routed experts split over the
+    ranks where ``expert_parallel``, this rank's experts receiving ``routing_skew`` times their balanced share of
+    the (token, expert) pairs (1: balanced; ``routed``)."""
 
     prompt_len: int
     group_size: int = 8
@@ -78,6 +89,17 @@ class Step:
     checkpointed: bool = False
     state_grad_on_host: bool = False
     dtype: torch.dtype = torch.bfloat16
+    lora: Lora = Lora()
+    expert_parallel: bool = False
+    routing_skew: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.routing_skew <= self.cp_size:
+            raise ValueError(f"--routing-skew {self.routing_skew:g}: a rank's experts receive between their share "
+                             f"(1) and every pair of the {self.cp_size} ranks ({self.cp_size}); pass a value in it")
+        if self.routing_skew != 1.0 and not self.expert_parallel:
+            raise ValueError("--routing-skew: the routing is read only under expert parallelism; add "
+                             "--expert-parallel or leave the skew out")
 
     @property
     def knobs(self) -> Knobs:
@@ -95,20 +117,25 @@ class Step:
 class Measured:
     """What the dry run measured on its rank: per phase ("log_probs capture", "update replay", ...) the peak device
     bytes alive (``phase_bytes``, the walk's own: parameters and gradients excluded), the FLOPs counted by torch
-    (``phase_flops``) and the collective bytes (``phase_collective_bytes``); over the step the peak (``peak_bytes``),
-    the largest tensor (bytes, elements), ``flops.py``'s count of the same walks (``model_flops``), the attention
-    paths taken (``ATTENTION_PATHS`` counts), the host bytes (``state.host.host_memory``: the state-gradient sums
-and their staging buffer, fake host tensors counted, never allocated) and the seconds the dry run took."""
+    (``phase_flops``), the collective bytes (``phase_collective_bytes``, the CP walk's) and the token bytes sent
+    to the experts' all-to-alls (``phase_expert_bytes``: forward, and backward of the phase's forwards); over
+    the step the peak (``peak_bytes``), the largest tensor (bytes, elements), ``flops.py``'s count of the same walks
+    (``model_flops``), the attention paths taken (``ATTENTION_PATHS`` counts), the parameters that got a gradient
+    (``trained``, by name), the host bytes
+    (``state.host.host_memory``: the state-gradient sums and their staging buffer, fake host tensors counted, never
+    allocated) and the seconds the dry run took."""
 
     phase_bytes: dict[str, int] = field(default_factory=dict)
     phase_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     phase_collective_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    phase_expert_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     peak_bytes: int = 0
     host_peak_bytes: int = 0
     largest_tensor_bytes: int = 0
     largest_tensor_numel: int = 0
     model_flops: float = 0.0
     attention_paths: dict[str, int] = field(default_factory=dict)
+    trained: set[str] = field(default_factory=set)
     seconds: float = 0.0
 
 
@@ -136,12 +163,14 @@ def model_config(name_or_path: str, layers: int | None = None) -> transformers.P
 
 
 def fake_model(config: transformers.PretrainedConfig, dtype: torch.dtype, mode: fake_cuda.FakeCuda,
-               checkpointed: bool) -> torch.nn.Module:
+               checkpointed: bool, lora: Lora | None = None) -> torch.nn.Module:
     """The causal LM of ``config`` in ``dtype`` with fake CUDA parameters, in train mode; transformers' default
     attention and experts implementations (as a GPU user gets them); per-layer activation checkpointing as veRL
-    turns it on (non-reentrant) where ``checkpointed``."""
+    turns it on (non-reentrant) where ``checkpointed``; LoRA adapters as veRL adds them (``Lora.wrap``: a peft
+    model, the base frozen)."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = (lora or Lora()).wrap(model)
     fake_cuda.materialize(model, mode)
     model.train()
     if checkpointed:
@@ -175,19 +204,64 @@ class _Progress:
 class _Meters:
     """The per-phase meters of a dry run: ``walk`` names the walk running ("log_probs", "update")."""
 
-    def __init__(self, measured: Measured, mode: fake_cuda.FakeCuda, progress: _Progress) -> None:
+    def __init__(self, measured: Measured, mode: fake_cuda.FakeCuda, progress: _Progress,
+                 expert_parallel: bool) -> None:
         self.measured, self.mode, self.walk, self.progress = measured, mode, "", progress
+        self.expert_parallel = expert_parallel
+        self.expert_sends: list[tuple[str, list[int]]] = []  # (phase, its sends): a backward appends after the phase
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         name = f"{self.walk} {phase}"
         self.progress.step(name)
         flops = self.mode.flops
-        with self.mode.meter.phase(name), comm.trace_collectives() as records:
+        sent = experts.trace_all_to_all() if self.expert_parallel else contextlib.nullcontext([])
+        with self.mode.meter.phase(name), comm.trace_collectives() as records, sent as sends:
             yield
+        self.expert_sends.append((name, sends))
         self.measured.phase_flops[name] += self.mode.flops - flops
         self.measured.phase_collective_bytes[name] += sum(
             numel * torch.empty((), dtype=getattr(torch, dtype)).element_size() for _, _, numel, dtype in records)
+
+
+    def expert_bytes(self) -> dict[str, int]:
+        """The experts' all-to-all bytes of each phase, its backward's included (read once the walks are done)."""
+        out: dict[str, int] = defaultdict(int)
+        for name, sends in self.expert_sends:
+            out[name] += sum(sends)
+        return out
+
+
+def split_sizes(pairs: int, world: int, rank: int, skew: float) -> list[int]:
+    """The per-rank split sizes of one MoE layer's token exchange on rank ``rank`` of ``world`` with ``pairs``
+    (token, expert) pairs, as the dispatcher reads them: the pairs this rank sends to each rank, then those it
+    receives from each (every rank taken to hold ``pairs``). Balanced (``skew`` 1): 1/R to and from every rank.
+    Skewed: this rank's experts are sent ``skew`` times their share by every rank (``skew`` / R of its pairs), the
+    rest going evenly to the others."""
+    hot = min(pairs, round(skew * pairs / world))
+    rest, others = pairs - hot, world - 1
+    send = [rest // others + (i < rest % others) for i in range(others)] if others else []
+    send.insert(rank, hot)
+    return send + [hot] * world
+
+
+@contextlib.contextmanager
+def routed(mode: fake_cuda.FakeCuda, world: int, rank: int, skew: float = 1.0) -> Iterator[None]:
+    """Within the block, every expert-parallel MoE layer's token dispatch (``transformers_ep.token_dispatch``)
+    reads the split sizes of ``split_sizes`` where it would read the routing's counts (its one host sync: a fake
+    router has no values); exactly those reads (``FakeCuda.answering``)."""
+    dispatcher, attribute = transformers_ep.token_dispatch()
+    original = getattr(dispatcher, attribute)
+
+    def dispatch(self, hidden_states, top_k_index, *args, **kwargs):
+        with mode.answering(split_sizes(top_k_index.numel(), world, rank, skew)):
+            return original(self, hidden_states, top_k_index, *args, **kwargs)
+
+    setattr(dispatcher, attribute, dispatch)
+    try:
+        yield
+    finally:
+        setattr(dispatcher, attribute, original)
 
 
 def _paths() -> Counter[str]:
@@ -209,7 +283,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     plan = step.plan
     walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_) if s.phase in PHASES]
     progress = _Progress(len(walked))
-    meters = _Meters(measured, mode, progress)
+    meters = _Meters(measured, mode, progress, step.expert_parallel)
     paths_before = _paths()
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -219,13 +293,19 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         stack.enter_context(fake_cuda.fake_cuda_runtime())
         stack.enter_context(gated_delta_rule.fla_stand_in(gated_delta_rule.fla_shapes))
         stack.enter_context(host.host_stand_in(lambda shape, dtype: fake_cuda.fake_empty(mode, shape, dtype, "cpu")))
-        model = fake_model(config, step.dtype, mode, step.checkpointed)
-        device_bytes.watch = {tuple(p.shape) for p in model.parameters()}  # where a gradient may be
+        model = fake_model(config, step.dtype, mode, step.checkpointed, step.lora)
+        if step.expert_parallel:
+            experts.apply_expert_parallel(model, group)
+            stack.enter_context(routed(mode, step.cp_size, step.rank, step.routing_skew))
+        device_bytes.watch = {tuple(_local(p).shape) for p in model.parameters()}  # where a gradient may be
         stack.enter_context(mode)
         gradients: set[int] = set()  # serials of the storages that became parameter gradients
 
+        names = {param: name for name, param in model.named_parameters()}
+
         def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (estimate.Training's), not the walk's
-            gradients.add(device_bytes.serial(param.grad))
+            gradients.add(device_bytes.serial(_local(param.grad)))
+            measured.trained.add(names[param])
             param.grad = None
 
         hooks = [p.register_post_accumulate_grad_hook(hand_over) for p in model.parameters() if p.requires_grad]
@@ -245,6 +325,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         for hook in hooks:
             hook.remove()
         measured.host_peak_bytes = host.host_memory.peak
+    measured.phase_expert_bytes = meters.expert_bytes()
     measured.seconds = time.perf_counter() - start
     measured.peak_bytes = device_bytes.peak_without(gradients) - baseline
     measured.phase_bytes = {name: device_bytes.phase_without(name, gradients) - baseline
@@ -255,12 +336,18 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     return measured
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard: an expert-parallel weight or its gradient)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimate:
     """The pre-flight estimate of ``step``'s update walk (the larger of the two) on its rank."""
     return estimate_memory(config, step.prompt_len, step.group_size, step.response_len, chunk_size=step.chunk_size,
                            prompt_grad=step.prompt_grad, dtype=step.dtype, cp_size=step.cp_size,
                            state_grad_on_host=step.state_grad_on_host, rank=step.rank,
-                           checkpointed=step.checkpointed, device_type="cuda")
+                           checkpointed=step.checkpointed, device_type="cuda",
+                           expert_parallel=step.expert_parallel)
 
 
 def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str, dict[str, float]]:
@@ -269,7 +356,7 @@ def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str
     out = {}
     for walk, mode in (("log_probs", "log_probs"), ("update", step.prompt_grad)):
         work = timemodel.phase_work(config, step.plan, mode, step.dtype, state_grad_on_host=step.state_grad_on_host,
-                          checkpointed=step.checkpointed)
+                                    frozen_base=step.lora.rank > 0, checkpointed=step.checkpointed)
         out |= {f"{walk} {phase}": amounts for phase, amounts in work.items() if amounts["layer_calls"]}
     return out
 
@@ -279,17 +366,22 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
     """The dry run's table: per phase the peak GiB, TFLOPs (torch's count) and collective GiB beside the time
     model's (``work``: ``modelled_work``) and its seconds on ``gpu`` at its assumed efficiencies; then the step's
     peak beside the estimate, the largest tensor, the attention paths and the verdicts."""
+    lora = f", LoRA rank {step.lora.rank} on {step.lora.target_modules}" if step.lora.rank else ""
+    split = (f", experts split over the {step.cp_size} ranks, routing skew {step.routing_skew:g}"
+             if step.expert_parallel else "")
     lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}, chunk {step.chunk_size}, "
              f"{step.prompt_grad}, rank {step.rank} of {step.cp_size}, checkpointed {step.checkpointed}, "
-             f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')} (fake CUDA "
-             "tensors: a dry run, not a GPU measurement)", "",
-             f"| phase | peak GiB | TFLOPs (torch) | collective GiB | time model: collective GiB | s on {gpu} |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')}"
+             f"{lora}{split}"
+             " (fake CUDA tensors: a dry run, not a GPU measurement)", "",
+             f"| phase | peak GiB | TFLOPs (torch) | collective GiB | time model: collective GiB | expert all-to-all "
+             f"GiB | s on {gpu} |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     rates = timemodel.ASSUMED.rates(timemodel.DEVICES[gpu])
     for phase, peak in measured.phase_bytes.items():
         lines.append(f"| {phase} | {peak / GIB:.2f} | {measured.phase_flops[phase] / 1e12:.1f} | "
                      f"{measured.phase_collective_bytes[phase] / GIB:.2f} | {work[phase]['collective'] / GIB:.2f} | "
-                     f"{timemodel.seconds(work[phase], rates):.0f} |")
+                     f"{measured.phase_expert_bytes[phase] / GIB:.2f} | {timemodel.seconds(work[phase], rates):.0f} |")
     ratio = predicted.total_bytes / max(measured.peak_bytes, 1)
     update_flops = sum(f for p, f in measured.phase_flops.items() if p.startswith("update"))
     lines += ["",
@@ -302,26 +394,22 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
               f"elements{', past 2^31' if measured.largest_tensor_numel >= 2**31 else ''})",
               f"attention paths: {dict(sorted(measured.attention_paths.items()))}",
               f"dry run {measured.seconds:.1f} s; the seconds are the time model's (verl_longstraw.timemodel: a "
-              "model at assumed efficiencies, without FSDP2's gathers), not the dry run's"]
+              "model at assumed efficiencies, without FSDP2's gathers and the experts' all-to-alls), not the dry "
+              "run's"]
     return "\n".join(lines)
 
 
 def recipe_step(name: str) -> Step:
-    """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``estimate.recipe_training``). A recipe
-    with LoRA adapters or expert parallelism, which this dry run does not run yet, is refused by name."""
+    """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``estimate.recipe_training``): its
+    lengths, LongStraw knobs, checkpointing, LoRA and expert parallelism."""
     from .configs import compose_recipe
 
     try:
         run = recipe_training(compose_recipe(name))
     except ValueError as exc:
         raise SystemExit(f"--recipe: {exc}") from exc
-    missing = [what for what, on in (("LoRA adapters", run.lora.rank), ("expert parallelism", run.expert_parallel))
-               if on]
-    if missing:
-        raise SystemExit(f"--recipe {name}: its {' and '.join(missing)} are not in the dry run yet; pass the step's "
-                         "knobs by hand (--prompt-len, --cp-size, ...) for the walk without them")
     return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size, 0,
-                run.checkpointing, run.state_grad_on_host, run.param_dtype)
+                run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel)
 
 
 def step_of(args: argparse.Namespace) -> Step:
@@ -334,8 +422,16 @@ def step_of(args: argparse.Namespace) -> Step:
     given = {"prompt_len": args.prompt_len, "group_size": args.group_size, "response_len": args.response_len,
              "chunk_size": args.chunk_size, "prompt_grad": args.prompt_grad, "cp_size": args.cp_size,
              "rank": args.rank, "checkpointed": args.checkpointed, "state_grad_on_host": args.state_grad_on_host,
-             "dtype": DTYPES[args.dtype] if args.dtype else None}
-    return dataclasses.replace(base, **{key: value for key, value in given.items() if value is not None})
+             "dtype": DTYPES[args.dtype] if args.dtype else None, "expert_parallel": args.expert_parallel,
+             "routing_skew": args.routing_skew}
+    if args.lora_rank is not None or args.lora_targets is not None:
+        targets = args.lora_targets.split(",") if args.lora_targets else base.lora.target_modules
+        given["lora"] = Lora(base.lora.rank if args.lora_rank is None else args.lora_rank,
+                             targets if isinstance(targets, str) or len(targets) > 1 else targets[0])
+    try:
+        return dataclasses.replace(base, **{key: value for key, value in given.items() if value is not None})
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -357,6 +453,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpointed", action="store_true", default=None, help="per-layer activation checkpointing")
     parser.add_argument("--state-grad-on-host", action="store_true", default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES))
+    parser.add_argument("--lora-rank", type=int, help="LoRA adapters of this rank, the base frozen (0: none)")
+    parser.add_argument("--lora-targets", help="the LoRA target modules, comma-separated (default: all-linear)")
+    parser.add_argument("--expert-parallel", action="store_true", default=None,
+                        help="split the routed experts over the CP group (parallel.experts)")
+    parser.add_argument("--routing-skew", type=float,
+                        help="this rank's experts receive S times their balanced share (default 1: balanced)")
     parser.add_argument("--gpu-gb", type=float, default=96.0, help="device memory in GB (10^9 bytes)")
     parser.add_argument("--gpu", choices=sorted(timemodel.DEVICES), default="H20",
                         help="the GPU the time model prices each phase on")

@@ -587,13 +587,7 @@ class ParameterCounts:
 def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
     """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit; under
     ``lora`` as veRL builds it (peft's ``get_peft_model``, the base frozen)."""
-    model = model_on_meta(config)
-    if lora is not None and lora.rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        with torch.device("meta"):
-            model = get_peft_model(model, LoraConfig(r=lora.rank, target_modules=lora.target_modules))
-    return count_units(model)
+    return count_units((lora or Lora()).wrap(model_on_meta(config)))
 
 
 def count_units(model: torch.nn.Module) -> ParameterCounts:
@@ -694,6 +688,18 @@ class Lora:
 
     rank: int = 0
     target_modules: str | tuple[str, ...] = "all-linear"
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as veRL builds it for these settings: peft's ``get_peft_model`` with LoRA adapters of ``rank``
+        on ``target_modules``, the base frozen (on the device ``model``'s parameters are on: the meta device for an
+        estimate or a dry run); ``model`` itself when ``rank`` is 0."""
+        if self.rank == 0:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        device = next(model.parameters()).device
+        with torch.device(device):
+            return get_peft_model(model, LoraConfig(r=self.rank, target_modules=self.target_modules))
 
 
 @dataclass(frozen=True)

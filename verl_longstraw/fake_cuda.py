@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,29 @@ class FakeCuda(FakeTensorMode):
         self.meter = meter
         self.flops = 0
         self._depth = 0  # ops running inside an op's fake implementation (its decomposition)
+        self._answers: Iterator[int | float] | None = None  # ``answering``'s values not yet read
+
+    @contextlib.contextmanager
+    def answering(self, values: Sequence[int | float]) -> Iterator[None]:
+        """Inside the block, each host read of a fake tensor's value (``.item()``, ``.tolist()``: one read per
+        element, in row-major order) returns the next of ``values``, which must be read exactly: ValueError for a
+        read past them or a value left unread (either would be a value the caller did not know, a silent guess).
+        Outside such a block a host read of a fake value raises (torch's DataDependentOutputException)."""
+        if self._answers is not None:
+            raise RuntimeError("FakeCuda.answering blocks do not nest")
+        self._answers = iter(values)
+        try:
+            yield
+            if next(self._answers, None) is not None:
+                raise ValueError("FakeCuda.answering: fewer host reads of fake values than values given")
+        finally:
+            self._answers = None
+
+    def _answer(self) -> int | float:
+        value = next(self._answers, None)
+        if value is None:
+            raise ValueError("FakeCuda.answering: more host reads of fake values than values given")
+        return value
 
     @property
     def avoid_device_init(self) -> bool:
@@ -74,6 +97,8 @@ class FakeCuda(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:
             return _META  # C++ callers only: Python's tensor.device is FakeTensor.fake_device
+        if func is _LOCAL_SCALAR and self._answers is not None and isinstance(args[0], FakeTensor):
+            return self._answer()
         kwargs = kwargs or {}
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
             kwargs = {**kwargs, "device": CUDA}  # a composite op's tensor.options()
@@ -98,6 +123,7 @@ class FakeCuda(FakeTensorMode):
 
 
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default  # a host read of one element (.item(), .tolist())
 
 
 def _flops(func, args: tuple, kwargs: dict, out) -> int:
@@ -178,9 +204,10 @@ def storage_id(tensor: torch.Tensor) -> int:
 class DeviceBytes:
     """Bytes of the fake CUDA storages ops allocate: ``current`` (alive now), ``peak`` since the last
     ``reset_peak`` and the peak of each phase (``phase(name)``: ``phases[name]``), the largest storage seen
-    (``largest``, bytes) and the most elements of one tensor (``largest_numel``). A storage counts from the op that
-    returns it until it is freed; views and in-place results of storages that existed before are not new
-    (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters) are not counted.
+    (``largest``, bytes) and the most elements of one tensor (``largest_numel``), both since ``reset_peak``. A
+    storage counts from the op that returns it until it is freed; views and in-place results of storages that
+    existed before are not new (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters)
+    are not counted.
 
     Each storage gets a serial number (``serial``). Storages made with one of the ``watch`` shapes (a dry run's
     parameter shapes) are kept track of at every peak, so those found out later to be parameter gradients can be
@@ -236,7 +263,10 @@ class DeviceBytes:
             self.phases[self._phase], self._phase_watched[self._phase] = self.current, dict(self._watched)
 
     def reset_peak(self) -> None:
+        """``peak``, ``largest`` and ``largest_numel`` count from now (e.g. the walk's, not the parameters' set-up:
+        expert parallelism slices each full expert weight)."""
         self.peak, self._watched_at_peak = self.current, dict(self._watched)
+        self.largest = self.largest_numel = 0
 
     def peak_without(self, serials: set[int]) -> int:
         """``peak`` less the bytes of the storages numbered in ``serials`` that were alive at it."""

@@ -40,7 +40,6 @@ def mesh():
     dist.init_process_group("fake", rank=0, world_size=RANKS, store=FakeStore())
     yield DeviceMesh("cpu", list(range(RANKS)))
     dist.destroy_process_group()
-    seam._own_mesh.cache_clear()
 
 
 def _shard(module, name: str, ep_mesh: DeviceMesh) -> None:
@@ -178,3 +177,12 @@ def test_the_installed_release_is_its_rows_generation():
     assert parameters[:4] == ["model", "ep_mesh", "tp_mesh", "plan"]
     assert ("ep_implementation" in parameters) == row.literal_plan
     assert getattr(module, row.all_to_all) is TOKEN_ALL_TO_ALL[row.all_to_all]
+
+
+@pytest.mark.skipif(Version(transformers.__version__) < seam.MIN_TRANSFORMERS, reason="no ep_dispatch_experts plan")
+def test_the_installed_dispatcher_takes_the_tokens_and_their_experts_first():
+    """The dry run's routing stand-in (``dryrun.balanced_routing``) wraps the dispatcher's token dispatch and reads
+    its first two arguments: the tokens and their top-k expert ids."""
+    dispatcher, attribute = seam.token_dispatch()
+    parameters = list(inspect.signature(getattr(dispatcher, attribute)).parameters)
+    assert parameters[:3] == ["self", "hidden_states", "top_k_index"]

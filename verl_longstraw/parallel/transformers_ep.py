@@ -3,19 +3,23 @@
 transformers' expert-parallel entry point has changed shape three times since its ``ep_dispatch_experts`` plan came
 (5.19), so each generation is a row of ``GENERATIONS``, read in the released wheels:
 
-=========  ======================================  =====================================  ======  ==========
-since      ``apply_expert_parallelism`` lives in    token all-to-all it calls               plan    ``tp_mesh``
-=========  ======================================  =====================================  ======  ==========
-5.19.0     ``distributed.tensor_parallel``          ``all_to_all_single``                  ``*``   None
-5.21.0     ``distributed.tensor_parallel``          ``all_to_all_single_autograd``         ``*``   None
-5.22.0     ``distributed.expert_parallel``          ``all_to_all_single_autograd``         ``*``   None
-5.23.0     ``distributed.expert_parallel``          ``all_to_all_single_autograd``         names   size 1
-=========  ======================================  =====================================  ======  ==========
+=========  ===============================  ===============================  =====  =========  =========================
+since      ``transformers.distributed.``    token all-to-all it calls        plan   tp_mesh    dispatcher class
+=========  ===============================  ===============================  =====  =========  =========================
+5.19.0     ``tensor_parallel``              ``all_to_all_single``            ``*``  None       EpDispatchExpertsParallel
+5.21.0     ``tensor_parallel``              ``all_to_all_single_autograd``   ``*``  None       EpDispatchExpertsParallel
+5.22.0     ``expert_parallel``              ``all_to_all_single_autograd``   ``*``  None       EpDispatchExpertsParallel
+5.23.0     ``expert_parallel``              ``all_to_all_single_autograd``   names  size 1     AllToAllEP
+=========  ===============================  ===============================  =====  =========  =========================
 
+- ``transformers.distributed.``: the module holding ``apply_expert_parallelism`` and the dispatcher.
 - plan ``*``: each module and parameter name is matched against the plan with its layer numbers made ``*``; a
   concrete name matches nothing (nothing is sharded, silently). Plan "names": each plan key is looked up literally in
   ``named_modules()`` / ``named_parameters()`` (a ``*`` key raises KeyError), so the plan is expanded here to the
   model's concrete names (``concrete_plan``).
+- dispatcher class: its ``_dispatch_tokens(self, hidden_states, top_k_index, ...)`` sends each (token, expert)
+  pair to its owner and holds the layer's one host sync (the split sizes; the dry run answers it, ``token_dispatch``).
+  From 5.23 it is the "all_to_all" implementation the plan is applied with.
 - ``tp_mesh``: the ranks holding the same batch. Before 5.23 None means "no TP"; from 5.23 the dispatcher reads its
   size and its group, so each rank passes a mesh of itself alone, and names the ``all_to_all`` implementation (the
   one that differentiates through the exchange; "auto" picks it too when the batches differ, as under CP).
@@ -28,7 +32,6 @@ rules, and the installed release's against the real one.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ class Generation:
     all_to_all: str  # the name in ``module`` the dispatcher sends its tokens with (torch's functional collective)
     literal_plan: bool  # the 5.23 call: plan keys looked up literally, a one-rank ``tp_mesh``, ``ep_implementation``;
     # else plan keys matched with ``*`` layer numbers and ``tp_mesh`` None
+    dispatcher: str  # the class in ``module`` whose ``_dispatch_tokens`` sends the (token, expert) pairs
 
     @property
     def name(self) -> str:
@@ -61,10 +65,14 @@ class Generation:
 
 
 GENERATIONS = (
-    Generation(Version("5.19.0"), "transformers.distributed.tensor_parallel", "all_to_all_single", False),
-    Generation(Version("5.21.0"), "transformers.distributed.tensor_parallel", "all_to_all_single_autograd", False),
-    Generation(Version("5.22.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", False),
-    Generation(Version("5.23.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", True),
+    Generation(Version("5.19.0"), "transformers.distributed.tensor_parallel", "all_to_all_single", False,
+               "EpDispatchExpertsParallel"),
+    Generation(Version("5.21.0"), "transformers.distributed.tensor_parallel", "all_to_all_single_autograd", False,
+               "EpDispatchExpertsParallel"),
+    Generation(Version("5.22.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", False,
+               "EpDispatchExpertsParallel"),
+    Generation(Version("5.23.0"), "transformers.distributed.expert_parallel", "all_to_all_single_autograd", True,
+               "AllToAllEP"),
 )
 MIN_TRANSFORMERS = GENERATIONS[0].since  # the first release with the ep_dispatch_experts plan
 NEWEST_TESTED = Version("5.25.0")  # the newest release the EP parity tests ran on (.ci/run's newest-releases check)
@@ -130,10 +138,18 @@ def concrete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return {**parameters, **modules}
 
 
-@functools.cache
+_OWN_MESHES: dict[tuple[int, str], tuple[dist.ProcessGroup, DeviceMesh]] = {}  # (rank, device) -> (its world, mesh)
+
+
 def _own_mesh(rank: int, device_type: str) -> DeviceMesh:
-    """A one-rank mesh of ``rank`` (the process's global rank), made once per process: transformers' "no TP"."""
-    return DeviceMesh.from_group(dist.new_group([rank], use_local_synchronization=True), device_type)
+    """A one-rank mesh of ``rank`` (the process's global rank), made once per default process group (a process that
+    makes a new one, as successive dry runs do, gets a new mesh): transformers' "no TP"."""
+    world = dist.group.WORLD
+    made = _OWN_MESHES.get((rank, device_type))
+    if made is None or made[0] is not world:
+        made = world, DeviceMesh.from_group(dist.new_group([rank], use_local_synchronization=True), device_type)
+        _OWN_MESHES[rank, device_type] = made
+    return made[1]
 
 
 def apply(model: nn.Module, ep_mesh: DeviceMesh, plan: dict[str, str]) -> None:
@@ -164,3 +180,15 @@ def token_all_to_all() -> tuple[object, str, Callable]:
     wrap (``parallel.experts.trace_all_to_all``)."""
     row, module = dispatcher_module()
     return module, row.all_to_all, getattr(module, row.all_to_all)
+
+
+def token_dispatch() -> tuple[type, str]:
+    """(class, attribute): the installed release's dispatcher method that sends each (token, expert) pair to the
+    expert's owner, ``_dispatch_tokens(self, hidden_states, top_k_index, ...)`` of the row's ``dispatcher`` in every
+    generation (the rest of its parameters differ), for a stand-in to wrap (the dry run's routing: it holds the layer's
+    one host sync, the per-rank split sizes). UnsupportedModelError naming the release where it is gone."""
+    row, module = dispatcher_module()
+    dispatcher = getattr(module, row.dispatcher, None)
+    if dispatcher is None or not hasattr(dispatcher, "_dispatch_tokens"):
+        raise _untested(installed_release(), f"has no {row.module}.{row.dispatcher}._dispatch_tokens")
+    return dispatcher, "_dispatch_tokens"
