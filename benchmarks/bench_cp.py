@@ -158,7 +158,7 @@ def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: 
     def segment(counter: Counter, sizes: list[int], consecutive: bool, backward: bool) -> None:
         for idx, op in enumerate(ops):
             call = LayerCall(1, sizes[0], 0, 0, not (consecutive and idx == len(ops) - 1), tuple(sizes), 0, world,
-                             consecutive, dtype, "cpu")
+                             consecutive, dtype, "cpu", 0)
             counter.update(op.collective_bytes(call, backward))
 
     # the ranks' tokens per step

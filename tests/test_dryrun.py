@@ -113,3 +113,15 @@ def test_lora_and_expert_parallelism_run_as_the_engine_runs_them():
     assert len(balanced.trained) == 2 * 4 and all(".lora_A." in name or ".lora_B." in name
                                                   for name in balanced.trained)  # q_proj: 1 layer, in_proj_qkv: 3
     assert dryrun.estimate(config, step).total_bytes >= balanced.peak_bytes
+
+
+def test_the_time_models_collectives_include_the_dsa_selection():
+    """GLM-5.2's first 2 layers (each runs its DSA indexer) past top-k: the selection's gathers and threshold
+    all-reduces (``LatentAttention.collective_bytes``) are what the fake process group passed, phase by phase."""
+    config = dryrun.model_config("GLM-5.2", layers=2)
+    step = dryrun.Step(8192, group_size=2, response_len=256, chunk_size=4096, cp_size=4, checkpointed=True)
+    measured = dryrun.dry_run(config, step)
+    work = dryrun.modelled_work(config, step)
+    assert measured.phase_collective_bytes["log_probs capture"] > 0
+    for phase, amounts in work.items():
+        assert amounts["collective"] == pytest.approx(measured.phase_collective_bytes[phase], abs=1024), phase

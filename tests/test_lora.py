@@ -105,6 +105,11 @@ def test_linear_weights_is_what_the_layer_applies():
     torch.testing.assert_close(F.linear(x, *linear_weights(layer)), layer(x), rtol=1e-6, atol=1e-5)
     plain = torch.nn.Linear(3, 2)
     assert linear_weights(plain) == (plain.weight, plain.bias)
+    half = get_peft_model(tiny_model("deepseek_v3", dtype=torch.bfloat16),
+                          LoraConfig(r=4, target_modules=["kv_b_proj"]))
+    layer = half.get_base_model().model.layers[0].self_attn.kv_b_proj
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # peft keeps its adapters in float32
+    assert linear_weights(layer)[0].dtype == torch.bfloat16 == layer(x.bfloat16()).dtype
 
 
 REFUSED = {

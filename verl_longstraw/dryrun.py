@@ -167,10 +167,10 @@ def fake_model(config: transformers.PretrainedConfig, dtype: torch.dtype, mode: 
     """The causal LM of ``config`` in ``dtype`` with fake CUDA parameters, in train mode; transformers' default
     attention and experts implementations (as a GPU user gets them); per-layer activation checkpointing as veRL
     turns it on (non-reentrant) where ``checkpointed``; LoRA adapters as veRL adds them (``Lora.wrap``: a peft
-    model, the base frozen)."""
+    model, the base frozen), in ``dtype`` as FSDP2's mixed precision computes them (peft makes them float32)."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = (lora or Lora()).wrap(model)
+    model = (lora or Lora()).wrap(model).to(dtype)  # peft's float32 adapters too, as FSDP2's param_dtype runs them
     fake_cuda.materialize(model, mode)
     model.train()
     if checkpointed:

@@ -204,13 +204,14 @@ class _Layers:
         self.rotary_dim = 2 * inv_freq.shape[-1] if inv_freq is not None else 0
 
     def calls(self, batch: int, tokens: int, prefix: int, state_len: int, last_layer_stops: bool,
-              sizes: Sequence[int], rank: int, cp_size: int, consecutive: bool) -> list[LayerCall]:
+              sizes: Sequence[int], rank: int, cp_size: int, consecutive: bool,
+              group_prefix: int) -> list[LayerCall]:
         """Each layer's ``LayerCall`` of one step: ``batch`` sequences of ``tokens`` on this rank after ``prefix``
         rows (``LayerCall`` says the rest); ``last_layer_stops``: the step scores nothing, so the last layer's
         output is not needed."""
         layers = len(self.ops)
         return [LayerCall(batch, tokens, prefix, state_len, layer_needs_output(idx, layers, not last_layer_stops),
-                          tuple(sizes), rank, cp_size, consecutive, self.dtype, self.device_type)
+                          tuple(sizes), rank, cp_size, consecutive, self.dtype, self.device_type, group_prefix)
                 for idx in range(layers)]
 
     def step_calls(self, plan: Plan, step: Step) -> list[LayerCall]:
@@ -222,14 +223,15 @@ class _Layers:
         if step.phase == "replay":
             leaves = [plan.segments[i] for i in step.segments if i is not None]
             tokens = max((leaf.length for leaf in leaves), default=1)
-            split = step.split
-            return self.calls(max(len(leaves), 1), tokens, plan.rank_rows_after(step.parent)[rank], rows, False,
+            split, prefixes = step.split, plan.rank_rows_after(step.parent)
+            return self.calls(max(len(leaves), 1), tokens, prefixes[rank], rows, False,
                               split.query_sizes if split else (tokens,), rank if split else 0,
-                              plan.world if step.sharded else 1, False)
+                              plan.world if step.sharded else 1, False, sum(prefixes))
         segment = plan.segments[step.segments[0]]
-        sizes, prefix = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)[rank]
+        sizes, prefixes = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)
         own = sizes[rank if step.split is not None else 0]
-        return self.calls(1, own, prefix, rows, not segment.scored, sizes, rank, plan.world, True)
+        return self.calls(1, own, prefixes[rank], rows, not segment.scored, sizes, rank, plan.world, True,
+                          sum(prefixes))
 
     def layer_saves(self, idx: int, call: LayerCall) -> Saves:
         """Layer ``idx``'s saves of ``call``: its op's and the norms' and MLP's around it. A layer without state

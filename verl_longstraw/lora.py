@@ -29,7 +29,8 @@ def is_lora_layer(module: nn.Module) -> bool:
 def linear_weights(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [out, in], bias [out] or None) that ``linear(x)`` applies: an ``nn.Linear``'s own; a peft LoRA
     Linear's base weight plus each active adapter's scaling x B @ A (differentiable in A and B), none while its
-    adapters are disabled or merged into the base weight."""
+    adapters are disabled or merged into the base weight; in the base weight's dtype, as peft's forward returns
+    the base layer's (its adapters stay float32 on a half-precision base: ``autocast_adapter_dtype``)."""
     if not is_lora_layer(linear):
         return linear.weight, linear.bias
     base = linear.get_base_layer()
@@ -38,7 +39,7 @@ def linear_weights(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
         for name in linear.active_adapters:
             if name in linear.lora_A:
                 weight = weight + linear.get_delta_weight(name)
-    return weight, base.bias
+    return weight.to(base.weight.dtype), base.bias  # peft's float32 adapters on a half base: the base's dtype
 
 
 def check_lora(model: nn.Module, weights_read: tuple[str, ...]) -> None:

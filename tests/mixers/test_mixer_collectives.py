@@ -56,7 +56,7 @@ def _measure(rank: int, world: int, cases: dict) -> dict:
             loss = out.float().square().sum() + sum(t.float().sum() for t in state if t.requires_grad)
             with comm.trace_collectives() as backward:  # the state's gradient flows on every rank, as in a walk
                 loss.backward()
-            call = LayerCall(1, SIZES[rank], 0, 0, True, SIZES, rank, world, consecutive, x.dtype, "cpu")
+            call = LayerCall(1, SIZES[rank], 0, 0, True, SIZES, rank, world, consecutive, x.dtype, "cpu", 0)
             counted_forward, counted_both = op.collective_bytes(call, False), op.collective_bytes(call, True)
             measured_both = Counter(_bytes(forward)) + Counter(_bytes(backward))
             results[case, consecutive] = (_bytes(forward), counted_forward, dict(measured_both), counted_both)

@@ -59,7 +59,7 @@ def test_saves_match_meter(case, need_output):
     with SavedTensorMeter(exclude=[x, *past, *adapter.model.parameters()]) as meter:
         out, _ = op.forward(x, ctx, past, need_output)
     rows = max((t.shape[-2] for t, kind in zip(past, op.kinds, strict=True) if kind.row_nbytes(x.dtype)), default=0)
-    call = LayerCall(batch, TOKENS, rows, rows, need_output, (TOKENS,), 0, 1, False, x.dtype, "cpu")
+    call = LayerCall(batch, TOKENS, rows, rows, need_output, (TOKENS,), 0, 1, False, x.dtype, "cpu", rows)
     saves = op.saves(call)
     counted = saves.own + saves.shared - saves.state_views  # the prefix state is a leaf the meter excludes
     assert saves.gathered == 0

@@ -1,8 +1,10 @@
 """DSA sparse top-k selection over a context-parallel prefix against one process, on R = 2 and 3 gloo ranks
 (one spawned run per R): the op (``parallel.dsa``) selects the keys ``ops.dsa_topk.dsa_topk_mask`` selects,
 on tie-free and on tied inputs, for capture chunks and replayed responses, with the same collectives on every
-rank; and the glm_moe_dsa core with ``index_topk`` below the prompt length (a shared-indexer layer included),
-chunked and unchunked, gives the single-process log-probs and exact gradients."""
+rank and a threshold search whose traffic does not grow with R or top-k; ``kth_largest`` against ``topk`` on
+values of both signs and the int64 extremes; and the glm_moe_dsa core with ``index_topk`` below the prompt
+length (a shared-indexer layer included), chunked and unchunked, gives the single-process log-probs and exact
+gradients."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
 from verl_longstraw.ops.dsa_topk import dsa_topk_mask
 from verl_longstraw.parallel.comm import trace_collectives
-from verl_longstraw.parallel.dsa import sharded_dsa_topk_mask
+from verl_longstraw.parallel.dsa import kth_largest, selection_collective_bytes, sharded_dsa_topk_mask
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import Split, split_evenly, star_plan
 from verl_longstraw.testing.compare import make_group, weighted_loss
@@ -76,7 +78,7 @@ def _op_case(rank: int, world: int, group, consecutive: bool, tied: bool, seed: 
     with trace_collectives() as trace:
         got = sharded_dsa_topk_mask(q[mine], w[mine], keys[rows], keys[mine], SCALE, TOPK, split, group,
                                     key_block=7, query_block=5)
-    return {"equal": torch.equal(got, expected), "ties": ties, "trace": trace}
+    return {"equal": torch.equal(got, expected), "ties": ties, "trace": trace, "queries": sum(query_sizes)}
 
 
 def _model_case(group, chunk: int | None, num_responses: int, seed: int) -> dict:
@@ -118,6 +120,11 @@ def test_cp_dsa_selection_matches_single_process(world):
         for other in results:
             assert other["ops"][consecutive, tied]["equal"], (consecutive, tied)
             assert other["ops"][consecutive, tied]["trace"] == case["trace"]  # lockstep
+        # the threshold's traffic: int32 histograms, as many bytes per query whatever R and TOPK; the only
+        # gathers are the indexer queries' and weights'
+        summed = [numel for op, _, numel, dtype in case["trace"] if op == "all_reduce" and dtype == "int32"]
+        assert 4 * sum(summed) == selection_collective_bytes(case["queries"]), (consecutive, tied)
+        assert [op for op, *_ in case["trace"]].count("all_gather") == 2
     for chunk, (cp, reference) in results[0]["models"].items():
         lp_err = max(float((a - b).abs().max()) for a, b in zip(cp["log_probs"], reference["log_probs"], strict=True))
         grad_err = float((cp["grad"] - reference["grad"]).norm() / reference["grad"].norm())
@@ -138,3 +145,15 @@ def test_indexer_queries_projected_only_when_topk_selects(index_topk, projects):
     prompt, responses = make_group(VOCAB, 40, (8,))
     group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=16))
     assert bool(calls) == projects, len(calls)
+
+
+def test_kth_largest_is_topks_kth_value_over_the_int64_range():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        width = int(torch.randint(1, 40, (1,), generator=g))
+        values = (torch.randperm(10**6, generator=g)[: 3 * width].reshape(3, width) - 500_000) * 2**40 \
+            + torch.randint(0, 2**20, (3, width), generator=g)
+        k = int(torch.randint(1, width + 1, (1,), generator=g))
+        assert torch.equal(kth_largest(values, k, None), values.topk(k, dim=1).values[:, -1:])
+    extremes = torch.tensor([[-(2**63), 2**63 - 1, 0, -1, 1]])
+    assert [int(kth_largest(extremes, k, None)) for k in range(1, 6)] == [2**63 - 1, 1, 0, -1, -(2**63)]

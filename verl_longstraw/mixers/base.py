@@ -53,7 +53,8 @@ class LayerCall(NamedTuple):
     state is all that is needed); ``sizes``: every rank's tokens of the call (this rank's at ``rank``), ``cp_size``
     the ranks whose state the call reads (1: one process, or a CP round whose ranks hold no prompt rows);
     ``consecutive``: the ranks' tokens continue one another (a prompt chunk under CP); inputs of ``dtype`` on a
-    ``device_type`` device ("cuda", "cpu")."""
+    ``device_type`` device ("cuda", "cpu"); ``group_prefix``: the prefix rows of every rank the call's state is
+    split over, summed (``prefix`` in one process)."""
 
     batch: int
     tokens: int
@@ -66,6 +67,7 @@ class LayerCall(NamedTuple):
     consecutive: bool
     dtype: torch.dtype
     device_type: str
+    group_prefix: int
 
     @property
     def queries(self) -> int:

@@ -19,10 +19,10 @@ from torch import nn
 
 from ..lora import linear_weights
 from ..ops.attention import prefix_causal_attention_reference
-from ..parallel.dsa import keeps_every_key, sharded_dsa_topk_mask
+from ..parallel.dsa import keeps_every_key, selection_collective_bytes, sharded_dsa_topk_mask
 from ..state import LayerState, Rows
 from .attention import RowAttention, attend
-from .base import SegmentContext, apply_rope
+from .base import LayerCall, SegmentContext, apply_rope
 
 LATENT_SAVES = 2.0  # queries, absorbed queries, latent projections and outputs, per token in units of their widths
 STATE_ONLY_SAVES = 2.5  # without the output: the latent norm's input, output and statistics and the rotary tables, per
@@ -102,15 +102,34 @@ class LatentAttention(RowAttention):
         per_head = self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
         return act * LATENT_SAVES * (self.q_heads * self.qk_dim + per_head + (m.q_lora_rank or 0) + m.kv_lora_rank)
 
-    def _dsa_mask(self, x, q_resid, ctx: SegmentContext, past: LayerState):
-        """(extra indexer-key state, bool key mask or None) of a DSA layer (``_sparse_selection``)."""
+    def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
+        """``RowAttention``'s, and where a layer running its own DSA indexer selects keys under CP (its output is
+        needed and top-k does not keep every key: ``parallel.dsa.keeps_every_key``) the selection's, forward only
+        (no autograd): all-gathers of the indexer queries R L Hi Di and weights R L Hi (float32; L = max n_r) and
+        the threshold search's all-reduces (``parallel.dsa.selection_collective_bytes``)."""
+        out = super().collective_bytes(call, backward)
+        own = call.queries if call.consecutive else max(call.sizes)
+        if (not self.runs_indexer or call.cp_size == 1 or not call.need_output
+                or call.group_prefix + own <= self.module.indexer.index_topk):
+            return out
+        indexer, r, longest = self.module.indexer, call.cp_size, max(call.sizes)
+        out["all_gather"] = out.get("all_gather", 0) + r * longest * indexer.n_heads * (indexer.head_dim + 1) * 4
+        out["all_reduce"] = out.get("all_reduce", 0) + selection_collective_bytes(call.queries)
+        return out
+
+    def _dsa_mask(self, x, q_resid, ctx: SegmentContext, past: LayerState, need_output: bool):
+        """(extra indexer-key state, bool key mask or None) of a DSA layer (``_sparse_selection``). Without
+        ``need_output`` (a state-only call: nothing attends) the indexer keys only, no selection."""
         if not self.sparse:
             return (), None
-        if not self.runs_indexer:  # shared layer: reuse the previous indexer layer's selection
-            return (), ctx.scratch.get("dsa_mask")
+        if not self.runs_indexer:  # shared layer: the selection of the last indexer layer, which ran before it
+            return (), ctx.scratch["dsa_mask"]
         indexer = self.module.indexer
         with torch.no_grad():  # selection only: the model's indexer gets no gradient either
             keys = _indexer_keys(indexer, x, ctx, self.indexer_interleaved)
+            if not need_output:
+                ctx.scratch.pop("dsa_mask", None)  # no selection made: a later shared layer must not find an old one
+                return (keys,), None
             mask = _sparse_selection(indexer, x, q_resid, past[1], keys, ctx, self.indexer_interleaved)
         ctx.scratch["dsa_mask"] = mask
         return (keys,), mask
@@ -124,10 +143,9 @@ class LatentAttention(RowAttention):
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.interleaved)
         segment = torch.cat([attn.kv_a_layernorm(latent), k_rope], dim=-1)  # [B, S, rank + rope]
         q_resid = None
-        if attn.q_lora_rank is not None and (need_output or self.runs_indexer):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and need_output):
-                q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-        extra_state, mask = self._dsa_mask(x, q_resid, ctx, past)
+        if attn.q_lora_rank is not None and need_output:
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        extra_state, mask = self._dsa_mask(x, q_resid, ctx, past, need_output)
         if not need_output:
             return None, (segment, *extra_state)
         q = attn.q_proj(x) if q_resid is None else attn.q_b_proj(q_resid)

@@ -7,10 +7,12 @@ and, in a capture chunk, the own keys of the earlier ranks. On every rank r:
 1. all-gather the indexer queries and weights of every rank's tokens (no autograd: selection only);
 2. score all N = sum(query_sizes) queries against the local keys with the blocked scorer and keep
    each query's local top-k as sort keys (score, then global key position: ``top_sort_keys``);
-3. all-gather every rank's local top-k: the ``topk``-th largest of their union is the query's
-   threshold. Sort keys of visible keys are distinct, and a key of the global top-k is in its own
-   rank's local top-k, so the keys at or above the threshold are exactly the single-process selection,
-   tie rule included;
+3. the ``topk``-th largest sort key of the union of every rank's local top-k is the query's threshold
+   (``kth_largest``: found 4 bits at a time, one all-reduce of a [queries, 16] int32 histogram per 4 bits, 1 KiB
+   a query in all; not by gathering every rank's local top-k sort keys, R x topk x 8 bytes a query, 512 KiB at
+   32 ranks and topk 2048).
+   Sort keys are distinct, and a key of the global top-k is in its own rank's local top-k, so the keys at
+   or above the threshold are exactly the single-process selection, tie rule included;
 4. mark the local keys at or above the threshold: the key mask [N, P_r + T_r] ``sharded_prefix_attention``
    takes (``mixers.attention.attend``).
 
@@ -19,9 +21,10 @@ positions of ``plan.Split.prefix_spans``, own keys after the whole prefix, at ``
 token's index in the segment (a capture chunk: counted over the ranks in order; a replayed response: its own
 tokens, the only own keys its queries see).
 
-Steps 2-4 run ``query_block`` queries at a time: temporaries O(query_block x (R x topk + key_block)) int64
+Steps 2-4 run ``query_block`` queries at a time: temporaries O(query_block x (topk + key_block)) int64
 besides the mask. Whether top-k keeps every visible key (no mask on any rank) and every collective's shape
-follow from the replicated sizes: ranks issue the same 2 + ceil(N / query_block) all-gathers whatever the data.
+follow from the replicated sizes: ranks issue the same 2 all-gathers and 16 ceil(N / query_block) all-reduces
+whatever the data (``selection_collective_bytes``).
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import torch
 
 from ..ops.dsa_topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
 from ..plan import Split
-from .comm import Group, all_gather, group_rank
+from .comm import Group, all_gather, all_reduce_sum, group_rank
 
 QUERY_BLOCK = 1024
+_DIGIT_BITS = 4  # ``kth_largest`` finds a sort key 4 bits at a time: 16 rounds of a 16-bin int32 histogram
+_ROUNDS, _BINS = 64 // _DIGIT_BITS, 2**_DIGIT_BITS
 
 
 def keeps_every_key(prefix_rows: int, seg_len: int, topk: int, split: Split | None) -> bool:
@@ -76,18 +81,49 @@ def sharded_dsa_topk_mask(
     queries = torch.cat(all_gather(q, group, s.query_sizes))
     query_weights = torch.cat(all_gather(weights, group, s.query_sizes))
     keys = torch.cat([k_prefix, k_self])
-    local_topk = [min(topk, p + t) for p, t in zip(s.prefix_sizes, s.query_sizes, strict=True)]
     mask = torch.empty(len(queries), len(keys), dtype=torch.bool, device=q.device)
     for start in range(0, len(queries), query_block):
         rows = slice(start, start + query_block)
         best = top_sort_keys(queries[rows], query_weights[rows], keys, scale, topk, key_pos, last_visible[rows],
                              key_block)
-        union = torch.cat(all_gather(best, group, local_topk, dim=1), dim=1)  # >= topk wide: not keeps_every_key
-        threshold = union.topk(topk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        threshold = kth_largest(best, topk, group)  # the union is >= topk wide: not keeps_every_key
         local_index = torch.searchsorted(key_pos, sort_key_position(best))
         visible = key_pos <= last_visible[rows, None]
         mask[rows] = torch.zeros_like(visible).scatter_(1, local_index, best >= threshold) & visible
     return mask
+
+
+def kth_largest(values: torch.Tensor, k: int, group: Group) -> torch.Tensor:
+    """int64 [B, 1]: each row's ``k``-th largest value of the union over ``group``'s ranks of their ``values``
+    int64 [B, n_r] (distinct across the union, which holds at least ``k`` per row).
+
+    Found from the top 4 bits down: each round every rank counts, per row, its values that match the digits found
+    so far by their next digit (a [B, 16] histogram), the counts are summed over the ranks (one all-reduce), and
+    the digit holding the k-th largest is the highest whose count from there up reaches what is still needed. The
+    top digit is read with its sign bit flipped (two's complement order). Sixteen all-reduces of B x 16 int32,
+    whatever the ranks and n_r (``selection_collective_bytes``)."""
+    rows = values.shape[0]
+    need = torch.full((rows, 1), k, dtype=torch.int32, device=values.device)
+    found = torch.zeros(rows, 1, dtype=torch.int64, device=values.device)
+    candidate = torch.ones_like(values, dtype=torch.int32)  # 1 where the value matches every digit found so far
+    mask, top = _BINS - 1, _BINS // 2
+    for shift in range(64 - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        flip = top if shift == 64 - _DIGIT_BITS else 0
+        digit = ((values >> shift) & mask) ^ flip
+        counts = torch.zeros(rows, _BINS, dtype=torch.int32, device=values.device).scatter_add_(1, digit, candidate)
+        all_reduce_sum(counts, group)
+        at_or_above = counts.flip(1).cumsum(1, dtype=torch.int32).flip(1)  # matching values with this digit or higher
+        chosen = (at_or_above >= need).sum(1, keepdim=True) - 1  # the highest digit whose count reaches ``need``
+        need -= at_or_above.gather(1, chosen) - counts.gather(1, chosen)  # those strictly above it are taken
+        candidate *= digit == chosen
+        found |= (chosen ^ flip) << shift
+    return found
+
+
+def selection_collective_bytes(queries: int) -> int:
+    """Bytes of the all-reduce buffers ``kth_largest`` passes for ``queries`` queries (any query blocks): 16
+    rounds of 16 int32 counts per query."""
+    return _ROUNDS * _BINS * 4 * queries
 
 
 def _positions(s: Split, rank: int, prefix_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

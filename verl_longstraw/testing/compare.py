@@ -36,8 +36,10 @@ ERROR_FLOOR_EPS = 0.125
 
 def full_log_probs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):
     """Float32 log-probs [T] and entropies [T] of ``response`` [T] from one forward over
-    ``prompt`` [P] ++ ``response``."""
-    logits = model(torch.cat([prompt, response])[None]).logits[0].float() / temperature
+    ``prompt`` [P] ++ ``response``, without a KV cache (as veRL's training forward; from transformers 5.25 a
+    hybrid model's cache makes its token count on the default device, which gpu_check's bare-machine test sets to
+    meta)."""
+    logits = model(torch.cat([prompt, response])[None], use_cache=False).logits[0].float() / temperature
     log_probs = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return log_probs.gather(-1, response[:, None])[:, 0], entropy
