@@ -311,30 +311,33 @@ def gated_delta_rule(
     ignored there); everything else takes the plain torch path. The path taken is logged once.
     """
     groups = _value_groups(q, k, v)
-    if q.device.type == "cuda" and q.dtype in _FLA_DTYPES and q.dtype == k.dtype == v.dtype:
+    path = kernel_path(q.device.type, q.dtype)  # the one decision, the estimate's too
+    if path == "fla" and q.dtype == k.dtype == v.dtype:
         fla_kernel = _fla_kernel()
-        if fla_kernel is None:
-            _log_kernel_path("plain torch chunked rule", "flash-linear-attention is not installed: "
-                             "pip install 'verl-longstraw[gpu]' for its CUDA kernel", logging.WARNING)
-        else:
-            _log_kernel_path("flash-linear-attention chunk kernel" + (" (shapes only)" if _STAND_INS else ""),
-                             f"CUDA {q.dtype} inputs")
-            RULE_PATHS["fla_shapes" if _STAND_INS else "fla"] += 1
-            if groups > 1 and not _STAND_INS and not _fla_takes_grouped_heads():  # fla < 0.5: no GVA
-                q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-            out, state = fla_kernel(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                scale=q.shape[-1] ** -0.5,
-                initial_state=None if initial_state is None else initial_state.float(),
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=use_qk_l2norm,
-            )
-            return out.to(v.dtype), state.float()
-    if q.device.type != "cuda" or q.dtype not in _FLA_DTYPES:
+        _log_kernel_path("flash-linear-attention chunk kernel" + (" (shapes only)" if _STAND_INS else ""),
+                         f"CUDA {q.dtype} inputs")
+        RULE_PATHS["fla_shapes" if _STAND_INS else "fla"] += 1
+        if groups > 1 and not _STAND_INS and not _fla_takes_grouped_heads():  # fla < 0.5: no GVA
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        out, state = fla_kernel(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=q.shape[-1] ** -0.5,
+            initial_state=None if initial_state is None else initial_state.float(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
+        return out.to(v.dtype), state.float()
+    if path == "fla":
+        _log_kernel_path("plain torch chunked rule", f"mixed input dtypes ({q.dtype}, {k.dtype}, {v.dtype})",
+                         logging.WARNING)
+    elif q.device.type == "cuda" and q.dtype in _FLA_DTYPES:
+        _log_kernel_path("plain torch chunked rule", "flash-linear-attention is not installed: "
+                         "pip install 'verl-longstraw[gpu]' for its CUDA kernel", logging.WARNING)
+    else:
         _log_kernel_path("plain torch chunked rule", f"{q.device.type} {q.dtype} inputs")
     RULE_PATHS["torch"] += 1
     out_dtype = v.dtype
