@@ -20,9 +20,21 @@ declare -A RUNS=(
     # the longest prompt the qwen35_27b_1m step fits exact on 8 x 96 GB by the estimate (the recipe's knobs); 269
     # steps, about 30 quiet minutes at the 2.1M exact run's rate (not yet run to its end)
     [qwen35_27b_longest_exact]="--model Qwen3.5-27B --prompt-len 5832704 --chunk-size 65536 --cp-size 8 --checkpointed --state-grad-on-host"
+    # Qwen3.5-397B-A17B LoRA with expert parallelism over its 16-rank CP group, as the recipe ships (balanced
+    # routing); about 17 minutes beside other work
+    [qwen35_397b_ep_lora]="--model Qwen3.5-397B-A17B --recipe qwen35_397b_ep_lora"
+    # its first 4 layers (3 Gated DeltaNet, 1 full attention): about a minute
+    [qwen35_397b_ep_lora_4layers]="--model Qwen3.5-397B-A17B --recipe qwen35_397b_ep_lora --layers 4"
+    # GLM-5.2 LoRA with EP = CP = 32 as the recipe ships, first 4 layers (3 dense, 1 MoE; 2 run the DSA indexer,
+    # 2 share it) at a 2^18-token prompt: the full recipe does not finish on a CPU (README: the DSA scorer's op count)
+    [glm52_ep_lora_4layers_256k]="--model GLM-5.2 --recipe glm52_ep_lora --layers 4 --prompt-len 262144"
     # its first 4 layers (3 Gated DeltaNet, 1 full attention): under a minute each
     [qwen35_27b_4layers_2m_exact]="${RECIPE_27B[*]} --layers 4 --state-grad-on-host"
     [qwen35_27b_4layers_2m_detached]="${RECIPE_27B[*]} --layers 4 --prompt-grad detached"
+    # the same layers at 8M positions on 8 ranks (the config's 2^23 positions: a prompt of 2^23 - 8192 and 8192-token
+    # responses), exact with the sums on the host: what breaks only at millions of positions (int32 indexing,
+    # 2^31-element tensors, chunk counts) shows in these layers' ops
+    [qwen35_27b_4layers_8m_exact]="--model Qwen3.5-27B --layers 4 --prompt-len 8380416 --chunk-size 65536 --cp-size 8 --checkpointed --state-grad-on-host"
     # the same layers in one process at 2^18 tokens: the chunk's layer runs 8x the tokens of a CP rank's
     [qwen35_27b_4layers_256k_one_process]="--model Qwen3.5-27B --layers 4 --prompt-len 262144 --chunk-size 65536 --checkpointed --state-grad-on-host"
 )

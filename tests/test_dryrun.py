@@ -83,7 +83,10 @@ def test_a_recipe_gives_the_steps_knobs_and_a_flag_replaces_one():
     assert lora.expert_parallel and lora.cp_size == 16 and lora.lora == Lora(16, (
         "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"))  # the recipe's targets
     with pytest.raises(SystemExit, match="--routing-skew 3: .*between their share"):
-        dryrun.step_of(dryrun.parse_args([*args, "--expert-parallel", "--cp-size", "2", "--routing-skew", "3"]))
+        dryrun.step_of(dryrun.parse_args([*args, "--expert-parallel", "--lora-rank", "8", "--cp-size", "2",
+                                          "--routing-skew", "3"]))
+    with pytest.raises(SystemExit, match="--expert-parallel with trainable experts"):  # refused, not aborted
+        dryrun.step_of(dryrun.parse_args([*args[:2], "--recipe", "qwen35_122b_ep"]))
     with pytest.raises(SystemExit, match="--prompt-len: required without --recipe"):
         dryrun.step_of(dryrun.parse_args(args[:2]))
 

@@ -97,6 +97,10 @@ class Step:
         if not 1.0 <= self.routing_skew <= self.cp_size:
             raise ValueError(f"--routing-skew {self.routing_skew:g}: a rank's experts receive between their share "
                              f"(1) and every pair of the {self.cp_size} ranks ({self.cp_size}); pass a value in it")
+        if self.expert_parallel and not self.lora.rank:
+            raise ValueError("--expert-parallel with trainable experts (no LoRA): a CPU-only torch aborts in "
+                             "autograd's accumulation of a fake CUDA DTensor's gradient (no CUDA device guard); "
+                             "the dry run runs expert parallelism with LoRA (frozen experts): add --lora-rank")
         if self.routing_skew != 1.0 and not self.expert_parallel:
             raise ValueError("--routing-skew: the routing is read only under expert parallelism; add "
                              "--expert-parallel or leave the skew out")
@@ -119,11 +123,11 @@ class Measured:
     bytes alive (``phase_bytes``, the walk's own: parameters and gradients excluded), the FLOPs counted by torch
     (``phase_flops``), the collective bytes (``phase_collective_bytes``, the CP walk's) and the token bytes sent
     to the experts' all-to-alls (``phase_expert_bytes``: forward, and backward of the phase's forwards); over
-    the step the peak (``peak_bytes``), the largest tensor (bytes, elements), ``flops.py``'s count of the same walks
-    (``model_flops``), the attention paths taken (``ATTENTION_PATHS`` counts), the parameters that got a gradient
-    (``trained``, by name), the host bytes
-    (``state.host.host_memory``: the state-gradient sums and their staging buffer, fake host tensors counted, never
-    allocated) and the seconds the dry run took."""
+    the step the peak (``peak_bytes``), the largest tensor (bytes; elements, with the op that made it),
+    ``flops.py``'s count of the same walks (``model_flops``), the attention paths taken (``ATTENTION_PATHS``
+    counts), the parameters that got a gradient (``trained``, by name), the host bytes (``state.host.host_memory``:
+    the state-gradient sums and their staging buffer, fake host tensors counted, never allocated) and the seconds
+    the dry run took."""
 
     phase_bytes: dict[str, int] = field(default_factory=dict)
     phase_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -133,6 +137,7 @@ class Measured:
     host_peak_bytes: int = 0
     largest_tensor_bytes: int = 0
     largest_tensor_numel: int = 0
+    largest_tensor_made_by: tuple | None = None
     model_flops: float = 0.0
     attention_paths: dict[str, int] = field(default_factory=dict)
     trained: set[str] = field(default_factory=set)
@@ -332,6 +337,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
                             for name in device_bytes.phases}
     measured.largest_tensor_bytes = device_bytes.largest
     measured.largest_tensor_numel = device_bytes.largest_numel
+    measured.largest_tensor_made_by = device_bytes.largest_made_by
     measured.attention_paths = dict(_paths() - paths_before)
     return measured
 
@@ -390,13 +396,22 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
               f"{measured.model_flops / 1e12:.1f} by flops.py",
               f"host {measured.host_peak_bytes / GIB:.2f} GiB, estimate {predicted.host_bytes / GIB:.2f} GiB (state-"
               "gradient sums and their staging buffer: fake host tensors, counted, not allocated)",
-              f"largest tensor {measured.largest_tensor_bytes / GIB:.2f} GiB ({measured.largest_tensor_numel} "
-              f"elements{', past 2^31' if measured.largest_tensor_numel >= 2**31 else ''})",
+              f"largest tensor {measured.largest_tensor_bytes / GIB:.2f} GiB; most elements "
+              f"{measured.largest_tensor_numel}"
+              f"{' (2^31 or more)' if measured.largest_tensor_numel >= 2**31 else ''}: "
+              f"{_made_by(measured.largest_tensor_made_by)}",
               f"attention paths: {dict(sorted(measured.attention_paths.items()))}",
               f"dry run {measured.seconds:.1f} s; the seconds are the time model's (verl_longstraw.timemodel: a "
               "model at assumed efficiencies, without FSDP2's gathers and the experts' all-to-alls), not the dry "
               "run's"]
     return "\n".join(lines)
+
+
+def _made_by(made_by: tuple | None) -> str:
+    if made_by is None:
+        return "none made"
+    op, shape, dtype = made_by
+    return f"{op} -> {list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def recipe_step(name: str) -> Step:
@@ -406,10 +421,10 @@ def recipe_step(name: str) -> Step:
 
     try:
         run = recipe_training(compose_recipe(name))
+        return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size,
+                    0, run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel)
     except ValueError as exc:
-        raise SystemExit(f"--recipe: {exc}") from exc
-    return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size, 0,
-                run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel)
+        raise SystemExit(f"--recipe {name}: {exc}") from exc
 
 
 def step_of(args: argparse.Namespace) -> Step:

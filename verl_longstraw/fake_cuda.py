@@ -117,7 +117,7 @@ class FakeCuda(FakeTensorMode):
         finally:
             self._depth -= 1
         if self.meter is not None:  # the outputs beside the kernel's workspace, as on the GPU
-            self.meter.saw(leaves, out)
+            self.meter.saw(leaves, out, func)
         del workspace
         return out
 
@@ -204,7 +204,8 @@ def storage_id(tensor: torch.Tensor) -> int:
 class DeviceBytes:
     """Bytes of the fake CUDA storages ops allocate: ``current`` (alive now), ``peak`` since the last
     ``reset_peak`` and the peak of each phase (``phase(name)``: ``phases[name]``), the largest storage seen
-    (``largest``, bytes) and the most elements of one tensor (``largest_numel``), both since ``reset_peak``. A
+    (``largest``, bytes) and the most elements of one tensor (``largest_numel``; ``largest_made_by``: the op, shape
+    and dtype of that tensor), both since ``reset_peak``. A
     storage counts from the op that returns it until it is freed; views and in-place results of storages that
     existed before are not new (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters)
     are not counted.
@@ -222,6 +223,7 @@ class DeviceBytes:
         self.peak = 0
         self.largest = 0
         self.largest_numel = 0
+        self.largest_made_by: tuple[str, tuple[int, ...], torch.dtype] | None = None
         self.phases: dict[str, int] = {}
         self._watched_at_peak: dict[int, int] = {}
         self._phase_watched: dict[str, dict[int, int]] = {}
@@ -237,12 +239,14 @@ class DeviceBytes:
         entry = self._live.get(storage_id(tensor))
         return None if entry is None else entry[0]
 
-    def saw(self, inputs: list, out) -> None:
+    def saw(self, inputs: list, out, op=None) -> None:
+        """``op`` (an aten op, for ``largest_made_by``) returned ``out`` from ``inputs``."""
         given = {storage_id(x) for x in inputs if isinstance(x, FakeTensor)}
         for x in pytree.tree_leaves(out):
             if not isinstance(x, FakeTensor) or x.device.type != "cuda":
                 continue
-            self.largest_numel = max(self.largest_numel, x.numel())
+            if x.numel() > self.largest_numel:
+                self.largest_numel, self.largest_made_by = x.numel(), (str(op), tuple(x.shape), x.dtype)
             key = storage_id(x)
             if key in given or key in self._live:
                 continue
@@ -267,6 +271,7 @@ class DeviceBytes:
         expert parallelism slices each full expert weight)."""
         self.peak, self._watched_at_peak = self.current, dict(self._watched)
         self.largest = self.largest_numel = 0
+        self.largest_made_by = None
 
     def peak_without(self, serials: set[int]) -> int:
         """``peak`` less the bytes of the storages numbered in ``serials`` that were alive at it."""
