@@ -440,9 +440,10 @@ def step_of(args: argparse.Namespace) -> Step:
              "dtype": DTYPES[args.dtype] if args.dtype else None, "expert_parallel": args.expert_parallel,
              "routing_skew": args.routing_skew}
     if args.lora_rank is not None or args.lora_targets is not None:
-        targets = args.lora_targets.split(",") if args.lora_targets else base.lora.target_modules
-        given["lora"] = Lora(base.lora.rank if args.lora_rank is None else args.lora_rank,
-                             targets if isinstance(targets, str) or len(targets) > 1 else targets[0])
+        targets = base.lora.target_modules  # peft reads a string as a pattern: a list of names stays a tuple
+        if args.lora_targets:
+            targets = "all-linear" if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+        given["lora"] = Lora(base.lora.rank if args.lora_rank is None else args.lora_rank, targets)
     try:
         return dataclasses.replace(base, **{key: value for key, value in given.items() if value is not None})
     except ValueError as exc:

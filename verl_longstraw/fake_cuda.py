@@ -205,9 +205,9 @@ class DeviceBytes:
     """Bytes of the fake CUDA storages ops allocate: ``current`` (alive now), ``peak`` since the last
     ``reset_peak`` and the peak of each phase (``phase(name)``: ``phases[name]``), the largest storage seen
     (``largest``, bytes) and the most elements of one tensor (``largest_numel``; ``largest_made_by``: the op, shape
-    and dtype of that tensor), both since ``reset_peak``. A
-    storage counts from the op that returns it until it is freed; views and in-place results of storages that
-    existed before are not new (``memory.AllocationMeter``'s rule). Tensors made before the meter (the parameters)
+    and dtype of that tensor), both since ``reset_peak``. A storage counts from the op that returns it until it is
+    freed; views and in-place results of storages that existed before are not new (``memory.AllocationMeter``'s
+    rule). Tensors made before the meter (the parameters)
     are not counted.
 
     Each storage gets a serial number (``serial``). Storages made with one of the ``watch`` shapes (a dry run's

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..lora import linear_weights
 from ..ops.attention import prefix_causal_attention_reference
-from ..parallel.dsa import keeps_every_key, selection_collective_bytes, sharded_dsa_topk_mask
+from ..parallel.dsa import keeps_every_key, most_keys_seen, selection_collective_bytes, sharded_dsa_topk_mask
 from ..state import LayerState, Rows
 from .attention import RowAttention, attend
 from .base import LayerCall, SegmentContext, apply_rope
@@ -108,9 +108,8 @@ class LatentAttention(RowAttention):
         (no autograd): all-gathers of the indexer queries R L Hi Di and weights R L Hi (float32; L = max n_r) and
         the threshold search's all-reduces (``parallel.dsa.selection_collective_bytes``)."""
         out = super().collective_bytes(call, backward)
-        own = call.queries if call.consecutive else max(call.sizes)
         if (not self.runs_indexer or call.cp_size == 1 or not call.need_output
-                or call.group_prefix + own <= self.module.indexer.index_topk):
+                or most_keys_seen(call.group_prefix, call.sizes, call.consecutive) <= self.module.indexer.index_topk):
             return out
         indexer, r, longest = self.module.indexer, call.cp_size, max(call.sizes)
         out["all_gather"] = out.get("all_gather", 0) + r * longest * indexer.n_heads * (indexer.head_dim + 1) * 4

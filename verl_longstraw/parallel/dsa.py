@@ -29,6 +29,8 @@ whatever the data (``selection_collective_bytes``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..ops.dsa_topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
@@ -40,15 +42,19 @@ _DIGIT_BITS = 4  # ``kth_largest`` finds a sort key 4 bits at a time: 16 rounds 
 _ROUNDS, _BINS = 64 // _DIGIT_BITS, 2**_DIGIT_BITS
 
 
+def most_keys_seen(group_prefix: int, query_sizes: Sequence[int], consecutive: bool) -> int:
+    """The most keys any query of a CP call sees: every rank's prefix rows (``group_prefix``, summed) plus the own
+    keys of all ranks' segments (``consecutive``: a capture chunk) or of the longest one (a replay round)."""
+    return group_prefix + (sum(query_sizes) if consecutive else max(query_sizes))
+
+
 def keeps_every_key(prefix_rows: int, seg_len: int, topk: int, split: Split | None) -> bool:
     """Whether top-k keeps every key any query sees, so no mask is needed: the most keys a query sees is at most
-    ``topk``. One process (``split`` None): the ``prefix_rows`` + ``seg_len`` keys. Under CP: every rank's prefix
-    rows plus the own keys of all ranks' segments (consecutive: a capture chunk) or of the longest one (a replay
-    round); replicated sizes only, so every rank decides alike. Cheap: callers ask it before projecting queries."""
+    ``topk``. One process (``split`` None): the ``prefix_rows`` + ``seg_len`` keys. Under CP ``most_keys_seen``;
+    replicated sizes only, so every rank decides alike. Cheap: callers ask it before projecting queries."""
     if split is None:
         return prefix_rows + seg_len <= topk
-    own = sum(split.query_sizes) if split.consecutive else max(split.query_sizes)
-    return sum(split.prefix_sizes) + own <= topk
+    return most_keys_seen(sum(split.prefix_sizes), split.query_sizes, split.consecutive) <= topk
 
 
 def sharded_dsa_topk_mask(
