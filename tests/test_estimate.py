@@ -28,7 +28,7 @@ from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.estimate import estimate_memory, estimate_plan
 from verl_longstraw.memory import AllocationMeter, parameter_meter
 from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
-from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes
+from verl_longstraw.parallel.attention import sharded_blocked_transient_bytes, sharded_fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import star_plan, tree_plan
 from verl_longstraw.preflight import check_budget
@@ -334,9 +334,19 @@ def test_estimate_counts_the_fused_attention_backward(cp_size):
                                     - e.saved_state_bytes + e.backward_peak_transient_bytes)
         assert e.backward_grad_bytes <= e.device_state_grad_bytes + e.state_leaf_grad_bytes
         assert e.total_bytes == max(e.backward_bytes, e.capture_peak_bytes)
-    mla = estimate_memory(tiny_config("deepseek_v3"), prompt_len, 8, response_len, chunk, "exact", torch.bfloat16,
-                          cp_size=cp_size)
-    assert mla.replay_backward_transient_bytes == mla.prompt_backward_transient_bytes == 0
+    mla_config = tiny_config("deepseek_v3")
+    mla = estimate_memory(mla_config, prompt_len, 8, response_len, chunk, "exact", torch.bfloat16, cp_size=cp_size)
+    if cp_size == 1:
+        assert mla.replay_backward_transient_bytes == mla.prompt_backward_transient_bytes == 0
+        return
+    # under CP the blocked pass-Q's backward (its own count, pinned against the fake-CUDA meter)
+    heads, rank, rope = mla_config.num_attention_heads, mla_config.kv_lora_rank, mla_config.qk_rope_head_dim
+    replay = sharded_blocked_transient_bytes("cuda", torch.bfloat16, 1, heads, 1, rank + rope, rank,
+                                             [response_len] * cp_size, 0, plan.capacity)
+    prompt = sharded_blocked_transient_bytes("cuda", torch.bfloat16, 1, heads, 1, rank + rope, rank,
+                                             plan.rank_tokens(last), 0, plan.segments[last].rank_rows[0])
+    assert (mla.replay_backward_transient_bytes, mla.prompt_backward_transient_bytes) == (replay.backward,
+                                                                                          prompt.backward)
 
 
 def _agent_tree(seed: int = 0) -> tuple[list[torch.Tensor], list[int]]:

@@ -144,3 +144,18 @@ def test_host_reads_of_fake_values_are_answered_exactly_as_given():
             sizes.tolist()
         with mode.answering([5]):  # a real CPU tensor is read for real, in a block too
             assert int(torch.tensor(7)) == 7 and sizes[1, 2].item() == 5
+
+
+def test_a_half_matmul_with_float32_sums_runs_as_on_a_cuda_build():
+    """``bmm.dtype`` (bf16 operands, float32 output: the blocked attention's matmul on CUDA) runs on fake tensors
+    and is counted, so the dry run takes the half-operand path a CUDA build takes (``ops.blocked_attention.
+    matmul_dtype``), not float32 copies of its operands."""
+    from verl_longstraw.ops.blocked_attention import matmul_dtype
+
+    mode = fake_cuda.FakeCuda(fake_cuda.DeviceBytes())
+    with fake_cuda.fake_cuda_runtime(), mode:
+        a = torch.empty(2, 16, 32, device=fake_cuda.CUDA, dtype=torch.bfloat16)
+        out = torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (2, 16, 16)
+        assert mode.flops == 2 * 2 * 16 * 16 * 32
+        assert matmul_dtype(a) == torch.bfloat16

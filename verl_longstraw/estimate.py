@@ -295,6 +295,19 @@ class _Layers:
         """The largest score block of any layer's op in the step (``MixerOp.score_block_bytes``)."""
         return max((op.score_block_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
+    def capture_mixer_transient(self, calls: Sequence[LayerCall], state_rows: Sequence[int]) -> int:
+        """The largest moment of a no-grad capture's token mixers besides the stored state: while layer j's mixer
+        runs, the segment state of layers 0..j (``state_rows``: bytes per layer), the layer's input and its norm's
+        output ([tokens, hidden] each, model dtype) and the op's no-grad forward transient
+        (``MixerOp.forward_transient_bytes``)."""
+        largest = 0
+        for idx, (op, call) in enumerate(zip(self.ops, calls, strict=True)):
+            if not call.need_output and not op.kinds:
+                continue
+            inputs = 2 * call.batch * call.tokens * self.hidden * self.act
+            largest = max(largest, sum(state_rows[: idx + 1]) + inputs + op.forward_transient_bytes(call))
+        return largest
+
     def capture_transient(self, tokens: int, last_layer_stops: bool, state_rows: Sequence[int]) -> int:
         """Bytes a no-grad capture of ``tokens`` (``execute._Walk._capture``: ``run_segment`` under
         ``torch.no_grad``) holds at its largest moment besides the stored state, counted from what ``run_segment``
@@ -304,9 +317,8 @@ class _Layers:
         tensors: the layer's input ``h``, the mixer's output, their sum and the post-attention norm's output
         (4 x hidden), then either the gated MLP's activation, up projection and their product (3 x MLP width) or,
         as its down projection returns, the product and the MLP output (MLP width + hidden). Nothing is saved for
-        backward. The last layer of an unscored segment runs no MLP (``run_segment``'s ``need_output``). Not
-        counted: the token mixer's own intermediates (in the dense attention layers measured the MLP half holds
-        more) and MoE routing buffers."""
+        backward. The last layer of an unscored segment runs no MLP (``run_segment``'s ``need_output``). The token
+        mixers' moments are ``capture_mixer_transient``'s; MoE routing buffers are not counted here."""
         rotary = 2 * self.rotary_dim * tokens * self.act
         largest = 0
         for idx in range(len(self.ops)):
@@ -490,18 +502,18 @@ def estimate_plan(
         calls = layers.step_calls(plan, step)
         own = calls[0].tokens
         call_tokens = max(call_tokens, own)
-        blocks = layers.score_block(calls)
-        score_block = max(score_block, blocks)
+        score_block = max(score_block, layers.score_block(calls))
         scoring = 0
         if segment.scored:
             head_sum = head_gradient if step.phase == "recompute" else 0  # a capture runs no backward
             scoring = score_transient_bytes(config.vocab_size, own, head_sum)
             score_block = max(score_block, scoring)
         if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient (the
-            # MLP half's or a mixer's score block beside the state rows returned so far)
+            # MLP half's or a mixer's beside the state rows returned so far)
             own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
             held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
-            transient = max(layers.capture_transient(own, not segment.scored, own_rows), sum(own_rows) + blocks)
+            transient = max(layers.capture_transient(own, not segment.scored, own_rows),
+                            layers.capture_mixer_transient(calls, own_rows))
             capture_peak = max(capture_peak, held + transient)
             written = True
         if step.phase == "recompute":

@@ -128,8 +128,11 @@ _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default  # a host read of one
 
 def _flops(func, args: tuple, kwargs: dict, out) -> int:
     """torch's FLOP formula of ``func`` (``flop_registry``); an attention op with fewer key heads than query heads,
-    which older formulas refuse (torch 2.11: "query/key/value shapes are incompatible"), as its expanded heads."""
+    which older formulas refuse (torch 2.11: "query/key/value shapes are incompatible"), as its expanded heads. The
+    formulas take shapes: an overload's dtype argument (``bmm.dtype``'s ``out_dtype``, the blocked attention's
+    half-operand matmul with float32 sums) is not passed on."""
     count = flop_registry[func._overloadpacket]
+    args = tuple(x for x in args if not isinstance(x, torch.dtype))
     try:
         return count(*args, **kwargs, out_val=out)
     except AssertionError:

@@ -27,7 +27,9 @@ from ..ops.window_attention import (
     window_attention_saved_bytes,
 )
 from ..parallel.attention import (
+    BlockedPassQTransients,
     sharded_attention_saved_bytes,
+    sharded_blocked_transient_bytes,
     sharded_fused_backward_transient_bytes,
     sharded_prefix_attention,
 )
@@ -116,7 +118,10 @@ class RowAttention(MixerOp):
 
     def transient_bytes(self, call: LayerCall) -> int:
         """The fused backward's buffers where the call takes the fused kernels (``ops.fused_attention``, pass-Q's
-        ``sharded_fused_backward_transient_bytes`` under CP)."""
+        ``sharded_fused_backward_transient_bytes`` under CP); under CP off them, the blocked pass-Q's backward
+        (``sharded_blocked_transient_bytes``)."""
+        if call.cp_size > 1 and call.need_output and self.fused_dtype(call) is None:
+            return self.blocked_pass_q(call).backward
         if self.fused_dtype(call) is None:
             return 0
         if call.cp_size > 1:
@@ -129,6 +134,18 @@ class RowAttention(MixerOp):
         return fused_backward_transient_bytes(call.device_type, call.dtype, call.batch, self.q_heads, self.kv_heads,
                                               self.qk_dim, call.tokens, call.prefix, call.tokens,
                                               shared_prefix=attn.shared_prefix)
+
+    def forward_transient_bytes(self, call: LayerCall) -> int:
+        """Under CP off the fused kernels, the blocked pass-Q's no-grad forward (``sharded_blocked_transient_bytes``);
+        else ``score_block_bytes``."""
+        if call.cp_size > 1 and call.need_output and self.fused_dtype(call) is None:
+            return self.blocked_pass_q(call).forward
+        return self.score_block_bytes(call)
+
+    def blocked_pass_q(self, call: LayerCall) -> BlockedPassQTransients:
+        """``sharded_blocked_transient_bytes`` of ``call`` (under CP)."""
+        return sharded_blocked_transient_bytes(call.device_type, call.dtype, call.batch, self.q_heads, self.kv_heads,
+                                               self.qk_dim, self.v_dim, call.sizes, call.rank, call.prefix)
 
     def score_block_bytes(self, call: LayerCall) -> int:
         """Under CP on the blocked pass-Q (the fused kernels do not take the inputs): the scores and probabilities

@@ -245,6 +245,11 @@ class MixerOp(ABC):
         0 where none is counted."""
         return 0
 
+    def forward_transient_bytes(self, call: LayerCall) -> int:
+        """The largest transient of the call's forward without autograd (a capture) beyond its inputs and outputs:
+        ``score_block_bytes`` unless the op counts more."""
+        return self.score_block_bytes(call)
+
     def score_block_bytes(self, call: LayerCall) -> int:
         """The transient of scoring one block of keys that the call's forward and backward hold at once (a blocked
         pass-Q under CP); 0 where none is counted."""

@@ -19,10 +19,17 @@ from torch import nn
 
 from ..lora import linear_weights
 from ..ops.attention import prefix_causal_attention_reference
-from ..parallel.dsa import keeps_every_key, most_keys_seen, selection_collective_bytes, sharded_dsa_topk_mask
+from ..ops.dsa_topk import KEY_BLOCK
+from ..parallel.dsa import (
+    QUERY_BLOCK,
+    keeps_every_key,
+    most_keys_seen,
+    selection_collective_bytes,
+    sharded_dsa_topk_mask,
+)
 from ..state import LayerState, Rows
 from .attention import RowAttention, attend
-from .base import LayerCall, SegmentContext, apply_rope
+from .base import LayerCall, Saves, SegmentContext, apply_rope
 
 LATENT_SAVES = 2.0  # queries, absorbed queries, latent projections and outputs, per token in units of their widths
 STATE_ONLY_SAVES = 2.5  # without the output: the latent norm's input, output and statistics and the rotary tables, per
@@ -102,14 +109,50 @@ class LatentAttention(RowAttention):
         per_head = self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
         return act * LATENT_SAVES * (self.q_heads * self.qk_dim + per_head + (m.q_lora_rank or 0) + m.kv_lora_rank)
 
+    def selects(self, call: LayerCall) -> bool:
+        """Whether this layer makes a DSA selection in ``call``: it runs its own indexer, its output is needed and
+        top-k does not keep every key (``parallel.dsa.most_keys_seen``)."""
+        return (self.runs_indexer and call.need_output
+                and most_keys_seen(call.group_prefix, call.sizes, call.consecutive) > self.module.indexer.index_topk)
+
+    def selection_bytes(self, call: LayerCall) -> int:
+        """Where the layer ``selects``: its key mask (bool [batch, queries of all ranks, this rank's prefix rows +
+        tokens]), which its attention saves and ``ctx.scratch`` keeps; else 0."""
+        if not self.selects(call):
+            return 0
+        return call.batch * call.queries * (call.prefix + call.tokens)
+
+    def selection_transient_bytes(self, call: LayerCall) -> int:
+        """Where the layer ``selects``, what making the selection holds besides the mask: the indexer queries and
+        weights of every rank's tokens (float32 [batch x queries, heads, head dim + 1]) and one query block's
+        running top-k and scores (``parallel.dsa.QUERY_BLOCK`` rows of int64 sort keys, 3 x (top-k + key block),
+        and two bool rows over this rank's keys); else 0."""
+        if not self.selects(call):
+            return 0
+        indexer = self.module.indexer
+        gathered = call.batch * call.queries * indexer.n_heads * (indexer.head_dim + 1) * 4
+        block = QUERY_BLOCK * (3 * (indexer.index_topk + KEY_BLOCK) * 8 + 2 * (call.prefix + call.tokens))
+        return gathered + block
+
+    def saves(self, call: LayerCall) -> Saves:
+        """``RowAttention``'s, and an indexer layer's selection (``selection_bytes``); a shared layer's attention
+        saves a view of its indexer layer's mask, counted there."""
+        saves = super().saves(call)
+        return saves._replace(own=saves.own + self.selection_bytes(call))
+
+    def forward_transient_bytes(self, call: LayerCall) -> int:
+        """``RowAttention``'s or the selection's (``selection_transient_bytes``), whichever is larger, beside the
+        mask where the layer selects (a capture saves nothing, so the mask is a transient there)."""
+        return self.selection_bytes(call) + max(super().forward_transient_bytes(call),
+                                                self.selection_transient_bytes(call))
+
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """``RowAttention``'s, and where a layer running its own DSA indexer selects keys under CP (its output is
         needed and top-k does not keep every key: ``parallel.dsa.keeps_every_key``) the selection's, forward only
         (no autograd): all-gathers of the indexer queries R L Hi Di and weights R L Hi (float32; L = max n_r) and
         the threshold search's all-reduces (``parallel.dsa.selection_collective_bytes``)."""
         out = super().collective_bytes(call, backward)
-        if (not self.runs_indexer or call.cp_size == 1 or not call.need_output
-                or most_keys_seen(call.group_prefix, call.sizes, call.consecutive) <= self.module.indexer.index_topk):
+        if call.cp_size == 1 or not self.selects(call):
             return out
         indexer, r, longest = self.module.indexer, call.cp_size, max(call.sizes)
         out["all_gather"] = out.get("all_gather", 0) + r * longest * indexer.n_heads * (indexer.head_dim + 1) * 4

@@ -89,9 +89,18 @@ def matmul_dtype(q: torch.Tensor) -> torch.dtype:
     """Operand dtype of the blocked op's matmuls for queries like ``q``: fp16/bf16 on CUDA (tensor cores, products
     summed and returned in float32 by ``torch.bmm(..., out_dtype=torch.float32)``, as flash attention keeps its
     scores), else ``compute_dtype`` (float32 matmuls; CPU has no float32-output half matmul)."""
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _float_output_bmm(q.device):
+    if planned_matmul_dtype(q.device.type, q.dtype) == q.dtype and _float_output_bmm(q.device):
         return q.dtype
     return compute_dtype(q.dtype)
+
+
+def planned_matmul_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """``matmul_dtype`` for inputs of ``dtype`` on a device of ``device_type`` this process need not have (an estimate
+    for CUDA GPUs made on a CPU host): half operands on CUDA (where a build lacks ``bmm``'s float32-output overload,
+    ``matmul_dtype`` finds out on the device and takes ``compute_dtype``), else ``compute_dtype``."""
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    return compute_dtype(dtype)
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, operand: torch.dtype, acc: torch.dtype) -> torch.Tensor:
@@ -126,7 +135,7 @@ def _block_scores(
     Own keys that ``own_keys`` hides get -inf, and so do keys that ``key_mask`` [N, P + T] hides
     (``start`` is relative to the prefix or the own keys).
     """
-    scores = _matmul(q_rows, k_block.transpose(-1, -2), *dtypes) * scale
+    scores = _matmul(q_rows, k_block.transpose(-1, -2), *dtypes).mul_(scale)
     rows, n = q_rows.shape[-2] // groups, k_block.shape[-2]
     hidden = own_keys.hidden(rows, own_len, start, start + n, scores.device) if is_own else None
     if key_mask is not None:
@@ -134,7 +143,7 @@ def _block_scores(
         unselected = ~key_mask[:, offset + start : offset + start + n]
         hidden = unselected if hidden is None else hidden | unselected
     if hidden is not None:
-        scores = scores.unflatten(-2, (groups, rows)).masked_fill(hidden, float("-inf")).flatten(-3, -2)
+        scores.unflatten(-2, (groups, rows)).masked_fill_(hidden, float("-inf"))
     return scores
 
 
@@ -201,14 +210,16 @@ class _PartialAttentionBlocked(torch.autograd.Function):
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # rows with no visible key so far keep max -inf: shift by 0 instead
             shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
-            probs = (scores - shift.unsqueeze(-1)).exp()
+            probs = scores.sub_(shift.unsqueeze(-1)).exp_()  # in place: one block of scores at a time
             correction = (row_max - shift).exp()
             row_sum = row_sum * correction + probs.sum(dim=-1)
-            acc = acc * correction.unsqueeze(-1) + _matmul(probs, v_block, *dtypes)
+            # in place: at MLA's 64 heads x 512 a [rows, Dv] float32 copy is 8 GiB for 64K gathered queries
+            acc.mul_(correction.unsqueeze(-1)).add_(_matmul(probs, v_block, *dtypes))
             row_max = new_max
+            del scores, probs  # before the next block's scores are made
 
         # rows that saw no key: acc and row_sum are 0 -> output 0, logsumexp -inf
-        out = acc / row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1)
+        out = acc.div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
         out = out.reshape(batch, q_heads, rows, -1).to(out_dtype)
         logsumexp = (row_max + row_sum.log()).reshape(batch, q_heads, rows)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_self, v_self, out, logsumexp, key_mask)
@@ -245,18 +256,19 @@ class _PartialAttentionBlocked(torch.autograd.Function):
             k_block = keys[is_own][..., start:end, :]
             scores = _block_scores(q_rows, k_block, ctx.scale, dtypes, groups, is_own, start, k_prefix.shape[-2],
                                    own_len, ctx.own_keys, key_mask)
-            probs = (scores - shift).exp()
+            probs = scores.sub_(shift).exp_()
             if grad_v[is_own] is not None:
                 grad_v[is_own][..., start:end, :] = _matmul(probs.transpose(-1, -2), grad_out, *dtypes)
             if grad_q_rows is None and grad_k[is_own] is None:
                 continue
             v_block = values[is_own][..., start:end, :]
             # gradient of the scaled scores: scale * d(score)
-            grad_scores = probs * (_matmul(grad_out, v_block.transpose(-1, -2), *dtypes) - delta) * ctx.scale
+            grad_scores = _matmul(grad_out, v_block.transpose(-1, -2), *dtypes).sub_(delta).mul_(probs).mul_(ctx.scale)
             if grad_q_rows is not None:
                 grad_q_rows += _matmul(grad_scores, k_block, *dtypes)
             if grad_k[is_own] is not None:
                 grad_k[is_own][..., start:end, :] = _matmul(grad_scores.transpose(-1, -2), q_rows, *dtypes)
+            del scores, probs, grad_scores  # before the next block's scores are made
         grad_q = grad_q_rows.reshape(q.shape).to(q.dtype) if grad_q_rows is not None else None
         return grad_q, grad_k[False], grad_v[False], grad_k[True], grad_v[True], None, None, None, None, None, None
 

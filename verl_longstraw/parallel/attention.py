@@ -44,7 +44,13 @@ from typing import NamedTuple
 import torch
 
 from ..ops.attention import ATTENTION_PATHS, blocked_path_name, key_block_size, lse_weight, prefix_causal_attention
-from ..ops.blocked_attention import OwnKeyRule, autocast_off, compute_dtype, partial_attention_blocked
+from ..ops.blocked_attention import (
+    OwnKeyRule,
+    autocast_off,
+    compute_dtype,
+    partial_attention_blocked,
+    planned_matmul_dtype,
+)
 from ..ops.fused_attention import (
     FUSED_PATHS,
     fused_backward_transient_bytes,
@@ -135,7 +141,8 @@ def sharded_prefix_attention(
     out, logsumexp = partial_attention_blocked(
         queries, k_prefix, v_prefix, k_self, v_self, scale, own_keys, key_mask, block_size
     )
-    weighted = out * lse_weight(logsumexp, all_gather(logsumexp, group))
+    weight = lse_weight(logsumexp, all_gather(logsumexp, group))
+    weighted = out.mul_(weight) if not torch.is_grad_enabled() else out * weight  # no autograd (a capture): in place
     return reduce_scatter(weighted.split(list(query_sizes), dim=-2), group, query_sizes, dim=-2).to(q.dtype)
 
 
@@ -266,3 +273,73 @@ def sharded_fused_backward_transient_bytes(
                                                         prefix_rows, own, own_keys)
     scatter = (queries + (world + 1) * longest) * row * compute_dtype(dtype).itemsize
     return gather_wire + max(stacked + gathered, kernels, scatter)
+
+
+ROW_STATS = 6  # float32 values per query row the blocked op holds beside its blocks: running max and sum, new max,
+# shift, correction, delta
+
+
+class BlockedPassQTransients(NamedTuple):
+    """Peak bytes the blocked pass-Q (``sharded_prefix_attention`` off the fused kernels) allocates on one rank beyond
+    its inputs and what it saves: ``forward`` a no-grad call's (a capture), ``backward`` its backward's."""
+
+    forward: int
+    backward: int
+
+
+def sharded_blocked_transient_bytes(
+    device_type: str,
+    dtype: torch.dtype,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    query_sizes: Sequence[int],
+    rank: int,
+    prefix_rows: int,
+) -> BlockedPassQTransients:
+    """``BlockedPassQTransients`` of one call on rank ``rank`` for inputs of ``dtype`` on a ``device_type`` device
+    ([batch, q_heads, T_r, qk_dim] queries, ``kv_heads`` key heads, values of ``v_dim``, ``prefix_rows`` local prefix
+    rows; arguments as
+    ``sharded_prefix_attention``). With N = sum(query_sizes) gathered queries, W = R x max(query_sizes) wire rows,
+    L = max(query_sizes), a row = batch x q_heads entries, b / f / o bytes of ``dtype``, the arithmetic dtype and the
+    matmul operands (``planned_matmul_dtype``), and a block = one key block's float32 scores [N rows, keys]
+    (``ops.attention.key_block_size`` keys, at most the longest local key set):
+
+    - forward, the largest of: the gather (this rank's padded queries, the wire buffer, the concatenated queries:
+      (L + W + N) D b); the online softmax (the queries N D b, their operand copy where o != b, the accumulator
+      N Dv f, one block of probabilities (made in place from its scores), their operand copy where o != f, one
+      block's P V product N Dv f, and ``ROW_STATS`` floats a row); the merge (queries, outputs weighted in place,
+      the reduce-scatter's send buffer and received rows (W + L) Dv f);
+    - backward, the largest of: the blocked kernel's (d(output) N Dv f, its operand copy N Dv o and the queries'
+      N D o where the operands are not the arithmetic / input dtype, d(queries) N D f and one block's product with
+      the keys N D f, a block of probabilities and one of their gradient, its operand copy, the row statistics, and
+      the gradients of this rank's own keys and values T_r (D + Dv) b a key head);
+      the merge's (d(weighted), d(output), the weight's gradient product and the gathered d(output) wire: 4 N Dv f);
+      the d(queries) reduce-scatter (N D f, rounded N D b, the send buffer and received rows (W + L) D f).
+    Pinned against the fake-CUDA meter (tests/parallel/test_cp_attention_memory.py).
+    """
+    longest, queries = max(query_sizes), sum(query_sizes)
+    wire = len(query_sizes) * longest
+    row = batch * q_heads
+    b, f = dtype.itemsize, compute_dtype(dtype).itemsize
+    operand = planned_matmul_dtype(device_type, dtype)
+    o = operand.itemsize
+    copy = o / f if operand != compute_dtype(dtype) else 0.0  # a half copy of each block's probabilities
+    keys = max(prefix_rows, query_sizes[rank])
+    block = queries * row * min(key_block_size(queries * row, f), keys) * f
+    q = queries * row * qk_dim * b
+    q_copy = queries * row * qk_dim * o if operand != dtype else 0
+    out = queries * row * v_dim * f
+    stats = ROW_STATS * queries * row * f
+    forward = max(
+        (longest + wire + queries) * row * qk_dim * b,
+        q + q_copy + 2 * out + (1 + copy) * block + stats,
+        q + out + (wire + longest) * row * v_dim * f,
+    )
+    grad_out_copy = queries * row * v_dim * o if operand != compute_dtype(dtype) else 0
+    own_grads = batch * kv_heads * query_sizes[rank] * (qk_dim + v_dim) * b
+    kernel = out + grad_out_copy + q_copy + 2 * queries * row * qk_dim * f + (2 + copy) * block + stats + own_grads
+    backward = max(kernel, 4 * out, queries * row * qk_dim * (f + b) + (wire + longest) * row * qk_dim * f)
+    return BlockedPassQTransients(int(forward), int(backward))
