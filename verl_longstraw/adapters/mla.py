@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..errors import UnsupportedModelError
 from ..mixers import LatentAttention, MixerOp
 from .base import Adapter, register
 
@@ -13,6 +14,16 @@ class MultiHeadLatentAttentionAdapter(Adapter):
 
     def op(self, idx: int) -> MixerOp:
         attn = self.layers[idx].self_attn
-        runs_indexer = getattr(attn, "indexer", None) is not None and not getattr(attn, "skip_topk", False)
-        return LatentAttention(attn, self.config, sparse=hasattr(self.config, "index_topk"),
-                               runs_indexer=runs_indexer)  # v3.2: no indexer; glm5.2: shared layers skip it
+        sparse = hasattr(self.config, "index_topk")
+        source = max((j for j in range(idx + 1) if self._runs_indexer(j)), default=None)
+        if sparse and source is None:
+            raise UnsupportedModelError(f"layer {idx} reuses a DSA selection (indexer_types 'shared') but no layer "
+                                        f"before it runs an indexer; set indexer_types[0] to 'full'")
+        return LatentAttention(attn, self.config, sparse=sparse, runs_indexer=self._runs_indexer(idx),
+                               selection_source=source if sparse else idx)
+
+    def _runs_indexer(self, idx: int) -> bool:
+        """Whether layer ``idx`` runs its own DSA indexer (deepseek_v32, glm_moe_dsa's "full" layers); glm_moe_dsa's
+        "shared" layers reuse the last one's selection."""
+        attn = self.layers[idx].self_attn
+        return getattr(attn, "indexer", None) is not None and not getattr(attn, "skip_topk", False)

@@ -13,6 +13,7 @@ head instead (the reference the tests compare against).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -78,11 +79,60 @@ def _sparse_selection(
     return masks[0] if len(masks) == 1 or masks[0] is None else torch.stack(masks)
 
 
+@dataclass
+class _SelectionInputs:
+    """What an indexer layer's key selection is computed from in one segment (``_sparse_selection``'s arguments)."""
+
+    indexer: nn.Module
+    x: torch.Tensor
+    q_resid: torch.Tensor
+    past_keys: torch.Tensor
+    keys: torch.Tensor
+    interleaved: bool
+
+
+class DsaSelections:
+    """The DSA key selections of one segment (``ctx.scratch["dsa"]``), by the index of the indexer layer that makes
+    them: each indexer layer's inputs to its selection (its normed input and query residual, [B, S, hidden] and
+    [B, S, q_lora_rank], and the indexer keys), and the one selection last made (a key mask can be as large as
+    [queries of all ranks, prompt rows of this rank], so only one is kept).
+
+    A shared layer asks for its indexer layer's selection (``mask``): the one kept if it is that layer's, else
+    selected again from that layer's inputs. So it gets its own indexer layer's selection in whatever order the layers
+    run: under activation checkpointing the backward recomputes the layers last to first, and a shared layer's
+    recompute comes after a later indexer layer's (the model itself passes ``prev_topk_indices`` as a layer argument
+    for this). Every rank asks in the same order (the layers'), so a selection made again issues the same
+    collectives on every rank."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, _SelectionInputs] = {}
+        self.kept: tuple[int, torch.Tensor | None] | None = None
+
+    def select(self, source: int, inputs: _SelectionInputs, ctx: SegmentContext) -> torch.Tensor | None:
+        """Layer ``source``'s selection (``_sparse_selection``) from ``inputs``, remembered with them."""
+        self.inputs[source] = inputs
+        mask = _sparse_selection(inputs.indexer, inputs.x, inputs.q_resid, inputs.past_keys, inputs.keys, ctx,
+                                 inputs.interleaved)
+        self.kept = (source, mask)
+        return mask
+
+    def mask(self, source: int, ctx: SegmentContext) -> torch.Tensor | None:
+        """The selection of indexer layer ``source``, which must have run in this segment with its output needed."""
+        if self.kept is not None and self.kept[0] == source:
+            return self.kept[1]
+        if source not in self.inputs:
+            raise RuntimeError(f"DSA: a shared layer reads the selection of indexer layer {source}, which made none in "
+                               f"this segment (layers run out of order, or that layer's output was not needed)")
+        with torch.no_grad():
+            return self.select(source, self.inputs[source], ctx)
+
+
 class LatentAttention(RowAttention):
     """MLA of a transformers DeepSeek-V3-style attention module (``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` /
     ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), in ``config``'s rope
     layout. ``sparse``: the model selects keys with DSA's indexer (``config.index_topk``); ``runs_indexer``: this
-    layer runs its own indexer (else it reuses the selection of the last layer that did, from ``ctx.scratch``).
+    layer runs its own indexer; ``selection_source``: the index of the layer whose selection this layer uses (its
+    own where it runs the indexer, else the last layer before it that does; ``DsaSelections``).
     Call shape: every head's latent-space query over one key head of the latent plus rope dims, values the latent."""
 
     kind = "mla"
@@ -90,8 +140,9 @@ class LatentAttention(RowAttention):
     absorbed = True
     state_only_saves = STATE_ONLY_SAVES
 
-    def __init__(self, module: nn.Module, config, sparse: bool, runs_indexer: bool):
+    def __init__(self, module: nn.Module, config, sparse: bool, runs_indexer: bool, selection_source: int):
         self.module, self.sparse, self.runs_indexer = module, sparse, runs_indexer
+        self.selection_source = selection_source
         self.interleaved = rope_is_interleaved(config, module)
         self.indexer_interleaved = rope_is_interleaved(config, module.indexer) if runs_indexer else False
         rank, rope = module.kv_lora_rank, module.qk_rope_head_dim
@@ -117,10 +168,15 @@ class LatentAttention(RowAttention):
 
     def selection_bytes(self, call: LayerCall) -> int:
         """Where the layer ``selects``: its key mask (bool [batch, queries of all ranks, this rank's prefix rows +
-        tokens]), which its attention saves and ``ctx.scratch`` keeps; else 0."""
+        tokens]), which its attention saves and ``DsaSelections`` keeps, and the inputs ``DsaSelections`` keeps to
+        select again (the normed input and the query residual, [batch, tokens, hidden + q_lora_rank] in the model
+        dtype); else 0."""
         if not self.selects(call):
             return 0
-        return call.batch * call.queries * (call.prefix + call.tokens)
+        module = self.module
+        mask = call.batch * call.queries * (call.prefix + call.tokens)
+        inputs = call.batch * call.tokens * (module.q_a_proj.in_features + module.q_lora_rank) * call.act
+        return mask + inputs
 
     def selection_transient_bytes(self, call: LayerCall) -> int:
         """Where the layer ``selects``, what making the selection holds besides the mask: the indexer queries and
@@ -164,17 +220,16 @@ class LatentAttention(RowAttention):
         ``need_output`` (a state-only call: nothing attends) the indexer keys only, no selection."""
         if not self.sparse:
             return (), None
-        if not self.runs_indexer:  # shared layer: the selection of the last indexer layer, which ran before it
-            return (), ctx.scratch["dsa_mask"]
+        selections = ctx.scratch.setdefault("dsa", DsaSelections())
+        if not self.runs_indexer:  # shared layer: its indexer layer's selection
+            return (), selections.mask(self.selection_source, ctx)
         indexer = self.module.indexer
         with torch.no_grad():  # selection only: the model's indexer gets no gradient either
             keys = _indexer_keys(indexer, x, ctx, self.indexer_interleaved)
-            if not need_output:
-                ctx.scratch.pop("dsa_mask", None)  # no selection made: a later shared layer must not find an old one
+            if not need_output:  # a state-only call: nothing attends, no selection
                 return (keys,), None
-            mask = _sparse_selection(indexer, x, q_resid, past[1], keys, ctx, self.indexer_interleaved)
-        ctx.scratch["dsa_mask"] = mask
-        return (keys,), mask
+            inputs = _SelectionInputs(indexer, x.detach(), q_resid.detach(), past[1], keys, self.indexer_interleaved)
+            return (keys,), selections.select(self.selection_source, inputs, ctx)
 
     def forward(self, x, ctx, past, need_output):
         """Without ``need_output`` only the latent rows (and a DSA layer's indexer keys) are computed: no queries
