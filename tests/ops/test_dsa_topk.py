@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from verl_longstraw.ops.dsa_topk import dsa_topk_mask, dsa_topk_mask_reference
+from verl_longstraw.ops.dsa_topk import dsa_topk_mask, dsa_topk_mask_reference, running_top_sort_keys, top_sort_keys
 
 HEADS, DIM = 4, 16
 SCALE = DIM**-0.5  # 0.25 and the weights' HEADS**-0.5 = 0.5 are powers of two: with small integer
@@ -75,9 +75,29 @@ def test_blocked_selection_temporaries_are_bounded():
     """No temporary beyond S x (topk + key_block) elements, where the reference makes S x heads x T."""
     seg, prefix, topk, key_block = 16, 2000, 32, 64
     q, weights, keys = _inputs(seg, prefix, seed=0)
-    with _LargestTensor() as blocked:
-        dsa_topk_mask(q, weights, keys, SCALE, topk, key_block=key_block)
+    with _LargestTensor() as blocked:  # inside the one op top_sort_keys dispatches
+        last_visible = torch.arange(prefix, prefix + seg)
+        running_top_sort_keys(q, weights, keys, SCALE, topk, None, last_visible, key_block)
     with _LargestTensor() as reference:
         dsa_topk_mask_reference(q, weights, keys, SCALE, topk)
     assert blocked.largest == seg * (topk + key_block)
     assert reference.largest == seg * HEADS * (prefix + seg)
+
+
+def test_top_sort_keys_is_one_op_with_a_fake_shape_and_flops():
+    """On fake CUDA tensors (a dry run) ``top_sort_keys`` dispatches once, returns [S, min(topk, T)] int64 and counts
+    the scoring's matmuls; on real tensors it is the loop's result."""
+    from verl_longstraw import fake_cuda
+
+    seg, prefix, topk = 16, 200, 32
+    q, weights, keys = _inputs(seg, prefix, seed=1)
+    last_visible = torch.arange(prefix, prefix + seg)
+    expected = running_top_sort_keys(q, weights, keys, SCALE, topk, None, last_visible, 64)
+    assert torch.equal(top_sort_keys(q, weights, keys, SCALE, topk, None, last_visible, 64), expected)
+    mode = fake_cuda.FakeCuda(fake_cuda.DeviceBytes())
+    with fake_cuda.fake_cuda_runtime(), mode:
+        to = dict(device=fake_cuda.CUDA)
+        best = top_sort_keys(q.to(**to), weights.to(**to), keys.to(**to), SCALE, topk, None, last_visible.to(**to),
+                             64)
+        assert best.shape == (seg, topk) and best.dtype == torch.int64
+        assert mode.flops == 2 * seg * HEADS * q.shape[-1] * (prefix + seg)
