@@ -537,3 +537,23 @@ def test_min_shared_tokens(qwen3):
         forwarded[min_shared] = result.stats.tokens_forwarded
         assert forwarded[min_shared] == plan.tokens_forwarded("exact")
     assert forwarded[SYSTEM + 1] == star_tokens(tree, [SYSTEM + PROMPT] * 6) > forwarded[SYSTEM]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("response_chunk_size", [None, 8])
+def test_a_star_plans_as_its_tree(world, response_chunk_size):
+    """``star_plan`` (the estimate's, the dry run's, ``group_backward``'s) and ``tree_plan`` (the engine's) of one
+    GRPO group give every rank the same segments and steps, long responses cut into ``response_chunk_size``
+    chains by both."""
+    prompt_len, lengths = 100, [30, 17, 9]
+    prompt = torch.randint(10, 50, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    rows = [torch.cat([prompt, torch.full((n,), 60 + i)]) for i, n in enumerate(lengths)]
+    knobs = Knobs(chunk_size=40, response_chunk_size=response_chunk_size)
+    for rank in range(world):
+        star = star_plan(prompt_len, lengths, knobs, world, rank)
+        tree = tree_plan(rows, [prompt_len] * len(rows), knobs, world, rank)
+        assert star.segments == tree.segments
+        assert list(star.steps("exact")) == list(tree.steps("exact"))
+    # the prompt's 3 chunks, then 3 leaves, or chains of 8-token segments (a tail under R tokens joins the one before)
+    chains = {None: 3, 8: 4 + 3 + 2 if world == 1 else 4 + 2 + 1}[response_chunk_size]
+    assert len(star.segments) == 3 + chains

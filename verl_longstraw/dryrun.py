@@ -92,6 +92,7 @@ class Step:
     lora: Lora = Lora()
     expert_parallel: bool = False
     routing_skew: float = 1.0
+    response_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.routing_skew <= self.cp_size:
@@ -107,8 +108,8 @@ class Step:
 
     @property
     def knobs(self) -> Knobs:
-        return Knobs(chunk_size=self.chunk_size, prompt_grad=self.prompt_grad,
-                     state_grad_on_host=self.state_grad_on_host)
+        return Knobs(chunk_size=self.chunk_size, response_chunk_size=self.response_chunk_size,
+                     prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host)
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -353,7 +354,7 @@ def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimat
                            prompt_grad=step.prompt_grad, dtype=step.dtype, cp_size=step.cp_size,
                            state_grad_on_host=step.state_grad_on_host, rank=step.rank,
                            checkpointed=step.checkpointed, device_type="cuda",
-                           expert_parallel=step.expert_parallel)
+                           expert_parallel=step.expert_parallel, response_chunk_size=step.response_chunk_size)
 
 
 def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str, dict[str, float]]:
@@ -375,7 +376,9 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
     lora = f", LoRA rank {step.lora.rank} on {step.lora.target_modules}" if step.lora.rank else ""
     split = (f", experts split over the {step.cp_size} ranks, routing skew {step.routing_skew:g}"
              if step.expert_parallel else "")
-    lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}, chunk {step.chunk_size}, "
+    segments = f" in segments of {step.response_chunk_size}" if step.response_chunk_size else ""
+    lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}{segments}, chunk "
+             f"{step.chunk_size}, "
              f"{step.prompt_grad}, rank {step.rank} of {step.cp_size}, checkpointed {step.checkpointed}, "
              f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')}"
              f"{lora}{split}"
@@ -422,7 +425,8 @@ def recipe_step(name: str) -> Step:
     try:
         run = recipe_training(compose_recipe(name))
         return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size,
-                    0, run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel)
+                    0, run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel,
+                    response_chunk_size=run.response_chunk_size)
     except ValueError as exc:
         raise SystemExit(f"--recipe {name}: {exc}") from exc
 
@@ -438,7 +442,7 @@ def step_of(args: argparse.Namespace) -> Step:
              "chunk_size": args.chunk_size, "prompt_grad": args.prompt_grad, "cp_size": args.cp_size,
              "rank": args.rank, "checkpointed": args.checkpointed, "state_grad_on_host": args.state_grad_on_host,
              "dtype": DTYPES[args.dtype] if args.dtype else None, "expert_parallel": args.expert_parallel,
-             "routing_skew": args.routing_skew}
+             "routing_skew": args.routing_skew, "response_chunk_size": args.response_chunk_size}
     if args.lora_rank is not None or args.lora_targets is not None:
         targets = base.lora.target_modules  # peft reads a string as a pattern: a list of names stays a tuple
         if args.lora_targets:
@@ -463,6 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int)
     parser.add_argument("--response-len", type=int)
     parser.add_argument("--chunk-size", type=int)
+    parser.add_argument("--response-chunk-size", type=int, help="replay longer responses as chains of this many "
+                        "tokens (the knob response_chunk_size)")
     parser.add_argument("--prompt-grad", choices=("exact", "detached"))
     parser.add_argument("--cp-size", type=int)
     parser.add_argument("--rank", type=int, default=0)

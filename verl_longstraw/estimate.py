@@ -67,7 +67,7 @@ from .lora import base_model
 from .mixers import LayerCall, Saves, layer_needs_output
 from .mixers.base import upcast_row_bytes
 from .parallel import experts as parallel_experts
-from .plan import Plan, Step, star_plan
+from .plan import Plan, Step, chain_bounds, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
@@ -346,6 +346,7 @@ def estimate_memory(
     replay_tokens: int = REPLAY_TOKENS,
     device_type: str = "cuda",
     expert_parallel: bool = False,
+    response_chunk_size: int | None = None,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
     for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens.
@@ -379,10 +380,11 @@ def estimate_memory(
 
     ``expert_parallel``: the model's routed experts are split over the CP group (``parallel.experts``); the
     largest MoE-layer call's all-to-all buffers count as a transient (``all_to_all_bytes``).
+    ``response_chunk_size``: the knob (``Knobs``): longer responses replay as chains of segments this long.
     """
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
-    knobs = Knobs(chunk_size=chunk_size, replay_tokens=replay_tokens)
+    knobs = Knobs(chunk_size=chunk_size, response_chunk_size=response_chunk_size, replay_tokens=replay_tokens)
     plan = star_plan(prompt_len, [response_len] * group_size, knobs, cp_size, rank)
     return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type,
                          expert_parallel)
@@ -746,6 +748,7 @@ class Training:
     lora: Lora = Lora()
     model_dtype: torch.dtype = torch.float32
     expert_parallel: bool = False
+    response_chunk_size: int | None = None
 
 
 VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
@@ -769,6 +772,7 @@ def recipe_training(cfg) -> Training:
         checkpointing=model.enable_gradient_checkpointing,
         lora=Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets)),
         model_dtype=VERL_DTYPES[fsdp.model_dtype], expert_parallel=knobs.get("expert_parallel", False),
+        response_chunk_size=knobs.get("response_chunk_size"),
     )
 
 
@@ -838,7 +842,8 @@ def gpu_table(
     experts = expert_shard_bytes(n, r, run.model_dtype) if ep else ExpertShardBytes(0, 0, 0)
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
                         run.param_dtype, adapter, r, run.state_grad_on_host, checkpointed=run.checkpointing,
-                        replay_tokens=run.replay_tokens, expert_parallel=ep)
+                        replay_tokens=run.replay_tokens, expert_parallel=ep,
+                        response_chunk_size=run.response_chunk_size)
     preflight = e.total_bytes + unsharded + grads + experts.gradients  # the engine's pre-flight figure
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
@@ -847,6 +852,10 @@ def gpu_table(
     replay_peak = e.replay_saved_bytes >= e.prompt_backward_saved_bytes
     replayed = (f"one {run.response_len}-token response" if e.replay_batch == 1
                 else f"a batch of {e.replay_batch} {run.response_len}-token responses")
+    segments = chain_bounds(0, run.response_len, run.response_chunk_size, run.cp_size)
+    if len(segments) > 1:  # the chain's last segment is the leaf replayed; the others are captured and recomputed
+        replayed = (f"the last {segments[-1][1] - segments[-1][0]} tokens of a {run.response_len}-token response "
+                    f"(response_chunk_size {run.response_chunk_size})")
     mode = "checkpointed" if run.checkpointing else "no checkpointing"
     sharded = "N_FSDP" if ep else "N"
     if lora:

@@ -399,11 +399,12 @@ def _finish(segments: list[dict], rows: list[tuple[int, int]], knobs: Knobs, wor
     return Plan(tuple(built), tuple(pieces), tuple(end for _, end in rows), capacity, knobs, world, rank, built_from)
 
 
-def _check_chunking(chunk_size: int | None, world: int) -> None:
+def _check_chunking(chunk_size: int | None, world: int, name: str = "chunk_size") -> None:
+    """ValueError naming the knob ``name`` where its ``chunk_size`` is below the CP size ``world``."""
     if chunk_size is not None and chunk_size < world:
         raise ValueError(
-            f"chunk_size={chunk_size} is smaller than the context-parallel size {world}: every rank "
-            f"needs at least one token of every chunk; use chunk_size >= {world} (tokens per chunk, all ranks)"
+            f"{name}={chunk_size} is smaller than the context-parallel size {world}: every rank "
+            f"needs at least one token of every chunk; use {name} >= {world} (tokens per chunk, all ranks)"
         )
 
 
@@ -421,18 +422,23 @@ def star_plan(
 ) -> Plan:
     """One GRPO group: a prompt of ``prompt_len`` tokens (positions [0, P - 1) captured, in ``knobs.chunk_size``
     chunks) and one leaf per response of ``response_lens[i]`` tokens (input [p[-1]] + r[:-1], every position
-    scored); leaves replay in ``knobs.replay_tokens`` batches (the other knobs are not read). Rows: prompt +
-    response i, scored from token P. ``world`` > 1: this ``rank``'s part of a CP group."""
+    scored), a ``knobs.response_chunk_size`` chain where longer (as ``tree_plan`` cuts a scored leaf); leaves replay
+    in ``knobs.replay_tokens`` batches (``min_shared_tokens`` is not read). Rows: prompt + response i, scored from
+    token P. ``world`` > 1: this ``rank``'s part of a CP group."""
     captured = prompt_len - 1
     if world > 1:
         check_prompt_layout(captured, knobs.chunk_size, world)
+        _check_chunking(knobs.response_chunk_size, world, "response_chunk_size")
     segments = [dict(parent=None if k == 0 else k - 1, start=s, end=e, score_from=e, row=0)
                 for k, (s, e) in enumerate(chain_bounds(0, captured, knobs.chunk_size, world))]
     last = len(segments) - 1 if segments else None
     rows = []
     for i, length in enumerate(response_lens):
-        segments.append(dict(parent=last, start=captured, end=captured + length, score_from=captured, row=i))
-        rows.append((captured, len(segments) - 1))
+        parent = last
+        for s, e in chain_bounds(captured, captured + length, knobs.response_chunk_size, world):
+            segments.append(dict(parent=parent, start=s, end=e, score_from=s, row=i))
+            parent = len(segments) - 1
+        rows.append((captured, parent))
     return _finish(segments, rows, knobs, world, rank, star_source(prompt_len, response_lens))
 
 
@@ -475,7 +481,7 @@ def tree_plan(
     scores from inside), and a shorter shared node is not shared (its rows' children start where it would have).
     """
     _check_chunking(knobs.chunk_size, world)
-    _check_chunking(knobs.response_chunk_size, world)
+    _check_chunking(knobs.response_chunk_size, world, "response_chunk_size")
     host = [s.detach().to("cpu") for s in sequences]
     positions = [len(s) - 1 for s in host]  # input positions of each row
     first_scored = [start - 1 for start in score_starts]  # each row's first scored input position

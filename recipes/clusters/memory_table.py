@@ -132,7 +132,9 @@ def memory(name: str, cfg: DictConfig, model: str, gpu_bytes: float | None = Non
 def describe(run: Training) -> str:
     """The knobs of ``run`` in one line."""
     return (f"P = {run.prompt_len} prompt tokens, G = {run.group_size} responses of T = {run.response_len}, "
-            f"R = {run.cp_size}, chunk_size {run.chunk_size}, prompt_grad {run.prompt_grad}, state_grad_on_host "
+            f"R = {run.cp_size}, chunk_size {run.chunk_size}"
+            + (f", response_chunk_size {run.response_chunk_size}" if run.response_chunk_size else "")
+            + f", prompt_grad {run.prompt_grad}, state_grad_on_host "
             f"{run.state_grad_on_host}, offload_policy {run.offload_policy}, optimizer_offload "
             f"{run.optimizer_offload}, {str(run.param_dtype)[6:]} params / {str(run.reduce_dtype)[6:]} reduce, "
             f"gradient checkpointing {run.checkpointing}"
