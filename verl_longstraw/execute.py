@@ -357,6 +357,8 @@ class _Walk:
             if self.with_entropy:
                 ents = [row[f:n] for row, f, n in zip(out.entropies.view(len(lengths), -1), firsts, lengths,
                                                       strict=True)]
+            del out  # a leaf's segment state (each layer's new K/V rows, recurrent states) is never read: freed
+            # before the backward, which under checkpointing would otherwise hold every layer's
             live = {i: (lp, ent) for i, lp, ent in zip(leaves, lps, ents, strict=False)}
             rows = [row for i in leaves for row in self.rows_ending.get(i, [])]
             losses, stand_ins = [], []
