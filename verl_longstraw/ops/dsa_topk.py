@@ -52,7 +52,7 @@ def dsa_topk_mask(
     return torch.zeros(seg, total, dtype=torch.bool, device=q.device).scatter_(-1, chosen, True).tril_(prefix)
 
 
-def top_sort_keys(
+def running_top_sort_keys(
     q: torch.Tensor,
     weights: torch.Tensor,
     keys: torch.Tensor,
@@ -68,42 +68,14 @@ def top_sort_keys(
     Key t is at position ``key_pos[t]`` (int64 [T], distinct; None: t) and visible to query s iff that
     position is <= ``last_visible[s]`` (int64 [S]); invisible keys score -inf, so they are among the
     result only where fewer than ``topk`` keys are visible. Sort keys order by score, then earlier position.
+    ``key_block`` keys are scored at a time, summed over heads as it goes, and merged into a running top-k:
+    temporaries besides the output O(S x (topk + key_block)).
 
-    One op (``torch.ops.verl_longstraw.dsa_top_sort_keys``) with a fake implementation of its output's shape and a
-    FLOP formula (the scoring's matmuls), so a dry run on fake tensors (``verl_longstraw.dryrun``) dispatches it once
-    instead of its loop of heads x key blocks (some 200,000 small ops per GLM-5.2 indexer layer call of a 64K chunk
-    on 32 ranks). It runs ``running_top_sort_keys``.
+    Callers use ``top_sort_keys``, this function as one op (``torch.ops.verl_longstraw.dsa_top_sort_keys``) with a
+    fake implementation of its output's shape and a FLOP formula (the scoring's matmuls), so a dry run on fake
+    tensors (``verl_longstraw.dryrun``) dispatches it once instead of its loop of heads x key blocks (some 200,000
+    small ops per GLM-5.2 indexer layer call of a 64K chunk on 32 ranks).
     """
-    return torch.ops.verl_longstraw.dsa_top_sort_keys(q, weights, keys, scale, topk, key_pos, last_visible, key_block)
-
-
-@torch.library.custom_op("verl_longstraw::dsa_top_sort_keys", mutates_args=())
-def _top_sort_keys(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    scale: float,
-    topk: int,
-    key_pos: torch.Tensor | None,
-    last_visible: torch.Tensor,
-    key_block: int,
-) -> torch.Tensor:
-    return running_top_sort_keys(q, weights, keys, scale, topk, key_pos, last_visible, key_block)
-
-
-def running_top_sort_keys(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    scale: float,
-    topk: int,
-    key_pos: torch.Tensor | None,
-    last_visible: torch.Tensor,
-    key_block: int,
-) -> torch.Tensor:
-    """``top_sort_keys``' arithmetic: ``key_block`` keys scored at a time, summed over heads as it goes, merged into a
-    running top-k. Temporaries besides the output: one block's scores and the running top-k with the block's
-    candidates, O(S x (topk + key_block))."""
     best = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
     for start in range(0, keys.shape[0], key_block):
         block = keys[start : start + key_block]
@@ -120,7 +92,10 @@ def running_top_sort_keys(
     return best
 
 
-@_top_sort_keys.register_fake
+top_sort_keys = torch.library.custom_op("verl_longstraw::dsa_top_sort_keys", running_top_sort_keys, mutates_args=())
+
+
+@top_sort_keys.register_fake
 def _top_sort_keys_shape(q, weights, keys, scale, topk, key_pos, last_visible, key_block) -> torch.Tensor:
     return q.new_empty(q.shape[0], min(topk, keys.shape[0]), dtype=torch.int64)
 
