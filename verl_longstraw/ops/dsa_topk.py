@@ -96,7 +96,9 @@ top_sort_keys = torch.library.custom_op("verl_longstraw::dsa_top_sort_keys", run
 
 
 @top_sort_keys.register_fake
-def _top_sort_keys_shape(q, weights, keys, scale, topk, key_pos, last_visible, key_block) -> torch.Tensor:
+def _top_sort_keys_shape(q, weights, keys, scale, topk, key_pos, last_visible, key_block=KEY_BLOCK) -> torch.Tensor:
+    """The output's shape. ``key_block`` has its default here too: torch 2.11 leaves an argument equal to its schema
+    default out of the call."""
     return q.new_empty(q.shape[0], min(topk, keys.shape[0]), dtype=torch.int64)
 
 
