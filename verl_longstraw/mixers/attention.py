@@ -120,7 +120,7 @@ class RowAttention(MixerOp):
         """The fused backward's buffers where the call takes the fused kernels (``ops.fused_attention``, pass-Q's
         ``sharded_fused_backward_transient_bytes`` under CP); under CP off them, the blocked pass-Q's backward
         (``sharded_blocked_transient_bytes``)."""
-        if call.cp_size > 1 and call.need_output and self.fused_dtype(call) is None:
+        if call.need_output and self.takes_blocked_pass_q(call):
             return self.blocked_pass_q(call).backward
         if self.fused_dtype(call) is None:
             return 0
@@ -138,9 +138,13 @@ class RowAttention(MixerOp):
     def forward_transient_bytes(self, call: LayerCall) -> int:
         """Under CP off the fused kernels, the blocked pass-Q's no-grad forward (``sharded_blocked_transient_bytes``);
         else ``score_block_bytes``."""
-        if call.cp_size > 1 and call.need_output and self.fused_dtype(call) is None:
+        if call.need_output and self.takes_blocked_pass_q(call):
             return self.blocked_pass_q(call).forward
         return self.score_block_bytes(call)
+
+    def takes_blocked_pass_q(self, call: LayerCall) -> bool:
+        """Whether ``call`` runs pass-Q on the blocked op: under CP where the fused kernels do not take the inputs."""
+        return call.cp_size > 1 and self.fused_dtype(call) is None
 
     def blocked_pass_q(self, call: LayerCall) -> BlockedPassQTransients:
         """``sharded_blocked_transient_bytes`` of ``call`` (under CP)."""
@@ -151,7 +155,7 @@ class RowAttention(MixerOp):
         """Under CP on the blocked pass-Q (the fused kernels do not take the inputs): the scores and probabilities
         of one key block (``ops.attention.key_block_size``) of this rank's keys for the gathered queries, in the
         compute dtype; else 0."""
-        if call.cp_size == 1 or self.fused_dtype(call) is not None:
+        if not self.takes_blocked_pass_q(call):
             return 0
         itemsize = call.compute.itemsize
         block = min(attention_ops.key_block_size(self.q_heads * call.queries, itemsize), call.prefix + call.tokens)

@@ -301,8 +301,8 @@ def sharded_blocked_transient_bytes(
 ) -> BlockedPassQTransients:
     """``BlockedPassQTransients`` of one call on rank ``rank`` for inputs of ``dtype`` on a ``device_type`` device
     ([batch, q_heads, T_r, qk_dim] queries, ``kv_heads`` key heads, values of ``v_dim``, ``prefix_rows`` local prefix
-    rows; arguments as
-    ``sharded_prefix_attention``). With N = sum(query_sizes) gathered queries, W = R x max(query_sizes) wire rows,
+    rows; arguments as ``sharded_prefix_attention``). With N = sum(query_sizes) gathered queries, W = R x
+    max(query_sizes) wire rows,
     L = max(query_sizes), a row = batch x q_heads entries, b / f / o bytes of ``dtype``, the arithmetic dtype and the
     matmul operands (``planned_matmul_dtype``), and a block = one key block's float32 scores [N rows, keys]
     (``ops.attention.key_block_size`` keys, at most the longest local key set):
