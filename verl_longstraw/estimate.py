@@ -519,7 +519,11 @@ def estimate_plan(
             capture_peak = max(capture_peak, held + transient)
             written = True
         if step.phase == "recompute":
-            saved, pass_q = backward_step(calls, own * hidden_bytes if segment.scored else 0, scoring, own)
+            # the recomputed chunk's own new state rows take the state gradient, so the walk holds them through the
+            # backward (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides
+            own_state = sum(s.nbytes(own, dtype) for layer in specs for s in layer) if checkpointed else 0
+            extra = (own * hidden_bytes if segment.scored else 0) + own_state
+            saved, pass_q = backward_step(calls, extra, scoring, own)
             if saved > backward:
                 backward, backward_pass_q = saved, pass_q
             backward_transient = max(backward_transient, layers.transient(calls))

@@ -259,9 +259,12 @@ def sharded_fused_backward_transient_bytes(
       gathered queries over this rank's keys (its float32 d(queries) included);
     - the reduce-scatter of d(queries): the float32 d(queries) (N rows), the send buffer (R x L rows) and the
       received rows (L), in ``compute_dtype``.
-    The gather's wire buffers (the padded rows sent and the buffer received) count in the two later phases too: the
-    process group's work object holds them until its backend lets go, which can be after the call returns (gloo
-    drops them from its worker thread, NCCL when the work is reaped), so their bytes may still be in use then.
+    The gather's wire buffers (the padded rows sent and the buffer received) count in the two later phases too on a
+    CPU: gloo's work object holds them until its worker thread lets go, which can be after the call returns. On CUDA
+    they are free at return: NCCL's process group does not record the tensors of a synchronous
+    ``all_gather_into_tensor`` or ``reduce_scatter_tensor`` (what ``parallel.comm`` issues) on its stream, it holds
+    them until the work is waited on, which the call does before it returns (torch >= 2.2, pytorch#111431; since
+    torch 2.8 such a collective runs on the caller's stream, pytorch#150398).
     """
     world, longest, queries, own = len(query_sizes), max(query_sizes), sum(query_sizes), query_sizes[rank]
     row = batch * q_heads * dim
@@ -272,7 +275,8 @@ def sharded_fused_backward_transient_bytes(
     kernels = gathered + fused_backward_transient_bytes(device_type, dtype, batch, q_heads, kv_heads, dim, queries,
                                                         prefix_rows, own, own_keys)
     scatter = (queries + (world + 1) * longest) * row * compute_dtype(dtype).itemsize
-    return gather_wire + max(stacked + gathered, kernels, scatter)
+    held = gather_wire if device_type == "cpu" else 0
+    return max(gather_wire + stacked + gathered, held + kernels, held + scatter)
 
 
 ROW_STATS = 6  # float32 values per query row the blocked op holds beside its blocks: running max and sum, new max,
