@@ -21,15 +21,9 @@ def _positive_int(value: object) -> bool:
 class Knobs:
     """The knobs of a walk (a frozen value; ``__post_init__`` raises ValueError naming the field and the fix).
 
-    ``chunk_size``: input positions per captured segment of a prompt (or of any shared, unscored part of a tree);
-    None: one segment. ``response_chunk_size``: a scored leaf (a response) longer than this becomes a chain of
-    segments of this many positions, captured and recomputed like a chunked prompt; None: replayed whole.
-    ``min_shared_tokens``: rows sharing a prefix of at least this many tokens share its segments (prefix trees only;
-    a star always shares its prompt). ``replay_tokens``: leaves replay k at a time with k x (longest of the k) <=
-    ``replay_tokens`` (one process; under CP one leaf per rank per round). ``prompt_grad`` (backward walks):
-    "exact", the standard full-sequence gradient, or "detached", the state held constant (the LongStraw paper's
-    gradient). ``state_grad_on_host`` (exact backward walks): keep the float32 state-gradient sums in host memory
-    (pinned where CUDA is available) instead of on the device.
+    Each field is the veRL config key of the same name (``actor_rollout_ref.actor.longstraw.*``), described once,
+    in ``integration.config.LongStrawConfig``'s field docs (docs/knobs.md); only ``min_shared_tokens`` has another
+    default here (1).
     """
 
     chunk_size: int | None = None

@@ -11,64 +11,79 @@ from verl_longstraw.knobs import Knobs
 STRATEGY = "longstraw"
 
 
+def _knob(default: Any, doc: str) -> Any:
+    """A field of the ``longstraw`` block with its documentation (``metadata["doc"]``): the one place a knob is
+    described; docs/knobs.md is generated from it (``scripts/docs_knobs.py``)."""
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass
 class LongStrawConfig(BaseConfig):
-    """LongStraw settings (``actor_rollout_ref.actor.longstraw.*``; the reference policy inherits them). The
-    knobs the core reads are built from them once, validated, as ``knobs`` (``verl_longstraw.Knobs``; not a
-    config key): what the engine hands every walk and plan.
-
-    Args:
-        prompt_grad: "exact" (default) also backpropagates d(loss)/d(prompt state) through a
-            recompute of the prompt, giving the standard gradient; "detached" drops that term
-            (cheaper, biased: the prompt positions get no gradient).
-        chunk_size: prompt tokens per chunk for capture and recompute; None (default) processes
-            the whole prompt at once. Smaller chunks bound the prompt graph's memory.
-        context_parallel_size: R ranks that work on one GRPO group together, each holding about
-            1/R of the prompt state (``verl_longstraw.parallel``); 1 (default) gives every rank its
-            own groups. R must divide the world size and equal the FSDP shard group
-            (``fsdp_config.fsdp_size``: -1 when the world is R, else R; HSDP across the rest).
-        state_grad_on_host: keep the float32 prompt-state gradient sums (exact mode) in host
-            memory, pinned where CUDA is available, instead of on the device.
-        preflight: before the first capture of each step, compare the memory estimate of the
-            step's largest group with ``memory_budget_gb`` and fail naming the knobs that would
-            make it fit, instead of running out of memory mid-step.
-        memory_budget_gb: GiB per device the pre-flight check allows; None (default) uses the
-            device's free memory at the start of the step (host MemAvailable on CPU).
-        replay_tokens: response tokens replayed in one forward: responses of a group go k at a time with
-            k x (longest of the k) <= replay_tokens, the prompt state broadcast (``verl_longstraw.plan``);
-            memory grows with the budget, not with G. Default 8192 (one 8K response at a time); 1 replays
-            every response alone. Under context parallelism one response per rank per round.
-        single_forward: in training, replay each response once and backpropagate its own loss term
-            when veRL's loss is a sum of per-response terms (``integration.losses.splits_by_response``:
-            ppo_loss with vanilla, gspo, gpg, ... policy losses); other losses, or false, take the
-            two-pass path (a no-grad replay to evaluate the loss, then a replay with autograd).
-        min_shared_tokens: rows of an engine call (all of veRL's micro-batches of this rank's mini-batch) whose
-            token ids share a prefix of at least this many tokens share its segments (captured once, recomputed
-            once), whatever produced them: a GRPO group's prompt, a system prompt across groups, per-turn samples,
-            branched rollouts (``verl_longstraw.plan.tree_plan``).
-            Shorter common prefixes are run inside each row: a segment of its own costs two more model calls
-            (capture and recompute), more than replaying a few dozen tokens per row. Default 64. Under context
-            parallelism the R ranks of a CP group walk the same trees.
-        response_chunk_size: a scored leaf (a response) longer than this replays as a chain of segments of this
-            many tokens, captured and recomputed like a chunked prompt, so a long response holds one segment's
-            graph instead of its whole length's; None (default) replays each response whole. One process only.
-        expert_parallel: split each MoE layer's routed experts over the CP group (``verl_longstraw.parallel.experts``:
-            transformers' expert-parallel plan, E / context_parallel_size resident per rank, tokens exchanged by
-            all-to-all) instead of FSDP2 gathering all of them per call. Needs context_parallel_size > 1, routed
-            experts divisible by it, transformers >= 5.19 and a family with an expert-parallel plan.
+    """The LongStraw knobs of a veRL config: ``actor_rollout_ref.actor.longstraw.*``, which the reference policy
+    inherits. The knobs the core reads are built from them once, validated, as ``knobs``
+    (``verl_longstraw.Knobs``; not a config key): what the engine hands every walk and plan. Each field's meaning
+    is its ``doc`` metadata below, the one description of the knob (docs/knobs.md is generated from it).
     """
 
-    prompt_grad: str = "exact"
-    chunk_size: Optional[int] = None
-    context_parallel_size: int = 1
-    state_grad_on_host: bool = False
-    preflight: bool = True
-    memory_budget_gb: Optional[float] = None
-    replay_tokens: int = 8192
-    single_forward: bool = True
-    min_shared_tokens: int = 64
-    response_chunk_size: Optional[int] = None
-    expert_parallel: bool = False
+    prompt_grad: str = _knob("exact", (
+        "`exact`: the standard gradient: d(loss)/d(prompt state) is accumulated over the responses and "
+        "backpropagated through one recompute of the prompt per group. `detached`: that term is dropped, the "
+        "prompt state held constant (the paper's mode; cheaper, biased: the prompt positions get no gradient). "
+        "Read by backward walks only."))
+    chunk_size: Optional[int] = _knob(None, (
+        "prompt tokens per capture/recompute chunk (a captured segment of a prompt, or of any shared, unscored "
+        "part of a prefix tree). `null` processes the prompt at once (its graph is held during the recompute). "
+        "Set it for long prompts: memory is then prompt state + state gradient + one chunk's graph."))
+    context_parallel_size: int = _knob(1, (
+        "R ranks that run one GRPO group together, each holding ~1/R of the prompt state "
+        "(`verl_longstraw.parallel`); `1` gives every rank its own groups. R must divide the world size. FSDP2 "
+        "then shards over the R ranks of a CP group: `fsdp_config.fsdp_size` must be `-1` when the world is R, "
+        "else R (the CP groups are data-parallel replicas, HSDP across them). R > 1 needs `use_dynamic_bsz: "
+        "false`, `shuffle: false` and micro-batches of whole groups."))
+    state_grad_on_host: bool = _knob(False, (
+        "exact mode: keep the float32 prompt-state gradient sums in host memory instead of on the device "
+        "(pinned at their exact size with CUDA; each gradient staged through one pinned buffer of the largest "
+        "state tensor, its copy overlapping the backward)."))
+    preflight: bool = _knob(True, (
+        "before the first capture of each call, compare the memory estimate of its largest unit "
+        "(`verl_longstraw.estimate.estimate_plan` of its prefix tree's plan) with the budget. The trees of the "
+        "whole call are walked when they fit; else each micro-batch's own trees; when those do not fit either, "
+        "every rank fails naming the knobs that would make it fit, instead of running out of memory mid-step. "
+        "`false`: the whole call's trees, unchecked."))
+    memory_budget_gb: Optional[float] = _knob(None, (
+        "GiB per device the pre-flight check allows; `null`: the device's free memory at the start of the step "
+        "(host MemAvailable on CPU)."))
+    replay_tokens: int = _knob(8192, (
+        "response tokens replayed in one forward: a group's responses go k at a time with k x (longest of the k) "
+        "<= `replay_tokens`, the prompt state shared by the k (not copied; `verl_longstraw.plan`). Memory grows "
+        "with this budget, not with G; the default is one 8K response at a time, `1` replays each response alone. "
+        "Under context parallelism one response per rank per round."))
+    single_forward: bool = _knob(True, (
+        "training: when veRL's loss is a sum of per-response terms (`ppo_loss` with the vanilla, gspo, gpg, sapo, "
+        "geo_mean, cispo, dppo_tv or dppo_kl policy loss, any `loss_agg_mode`, KL loss, entropy; "
+        "`integration/losses.py`, `splits_by_response`), replay each response once and backpropagate its own "
+        "loss term. Other losses (clip_cov, kl_cov, custom), or `false`, take two passes: a no-grad replay to "
+        "evaluate the loss, then a replay with autograd fed d(loss)/d(log-probs). Logged as "
+        "`longstraw/single_forward` (1 or 0)."))
+    min_shared_tokens: int = _knob(64, (
+        "rows of a call whose token ids share a prefix of at least this many tokens share its segments "
+        "(captured once, recomputed once), whatever produced them: a GRPO group's prompt, a system prompt across "
+        "groups, per-turn samples, branched rollouts (`verl_longstraw.plan.tree_plan`). The rows of a call are "
+        "all of veRL's micro-batches of this rank's mini-batch (or log-prob batch): one walk shares across them, "
+        "and each row's loss term is still the one its micro-batch gives it. Shorter common prefixes run inside "
+        "each row: a segment of its own costs two more model calls (capture and recompute), more than replaying "
+        "a few dozen tokens per row. Under context parallelism the CP group walks the same trees together. In the "
+        "core it applies to prefix trees only (a star always shares its prompt)."))
+    response_chunk_size: Optional[int] = _knob(None, (
+        "a response (a scored leaf) longer than this replays as a chain of segments of this many tokens "
+        "(captured and recomputed like a chunked prompt), so it holds one segment's graph instead of its whole "
+        "length's. `null`: each response whole. One process."))
+    expert_parallel: bool = _knob(False, (
+        "split each MoE layer's routed experts over the CP group with transformers' expert-parallel plan "
+        "(`parallel/experts.py`, transformers >= 5.19): E / R resident per rank outside FSDP2, the tokens routed "
+        "to another rank's experts exchanged by all-to-all, instead of FSDP2 all-gathering every expert per call. "
+        "Needs `context_parallel_size` R > 1, routed experts divisible by R and a family with a plan (refused "
+        "naming the field otherwise). Logged as `longstraw/ep_collective_bytes`."))
 
     def __post_init__(self) -> None:
         where = "actor_rollout_ref.actor.longstraw"
