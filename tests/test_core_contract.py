@@ -334,16 +334,20 @@ def test_shared_capture_mismatch_is_refused(qwen3):
         group_backward(qwen3, prompt, responses, _loss, state=state, knobs=Knobs(chunk_size=16))
 
 
-def test_readme_architecture_table_lists_every_supported_model_type():
-    """The README's "Supported architectures" table names exactly ``supported_model_types()``."""
+@pytest.mark.parametrize("page", ["docs/models.md", "README.md"])
+def test_architecture_tables_list_every_supported_model_type(page):
+    """The "Supported architectures" tables, docs/models.md's in full and the README's short one, name exactly
+    ``supported_model_types()`` in their ``model_type`` column."""
     import re
     from pathlib import Path
 
     from verl_longstraw.adapters import supported_model_types
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text.split("## Supported architectures", 1)[1].split("\n\n", 2)[1]
-    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
+    text = (Path(__file__).resolve().parents[1] / page).read_text()
+    after = re.split(r"^#+ Supported architectures$", text, maxsplit=1, flags=re.M)[1]
+    table = after.strip().split("\n\n", 1)[0].splitlines()
+    assert table[0].startswith("| family | `model_type` |"), table[0]
+    listed = {name for row in table[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
     assert listed == set(supported_model_types())
 
 
