@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.distributed as dist
 
 from verl_longstraw.tiny import DENSE_VARIANTS, FAMILIES, VARIANTS, unavailable
 
@@ -22,3 +23,12 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def no_default_group():
+    """No default process group in this process: one an earlier test left (the in-process veRL engine tests keep a
+    one-rank gloo group, and tests that need one make it again where none is) is closed first, for a module whose
+    tests make their own (``fake_cuda.fake_process_group``)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -9,9 +9,11 @@ import dataclasses
 import resource
 
 import pytest
+import torch
 
 from verl_longstraw import dryrun
-from verl_longstraw.estimate import GIB, Lora
+from verl_longstraw.configs import compose_recipe
+from verl_longstraw.estimate import GIB, Lora, gpu_table, recipe_training
 from verl_longstraw.parallel import transformers_ep
 
 STEP = dryrun.Step(65536, group_size=4, response_len=2048, chunk_size=16384, cp_size=4, checkpointed=True,
@@ -78,7 +80,9 @@ def test_a_recipe_gives_the_steps_knobs_and_a_flag_replaces_one():
     args = ["--model", "Qwen3.5-27B", "--recipe", "qwen35_27b_1m"]
     parser_args = dryrun.parse_args([*args, "--chunk-size", "32768"])
     step = dryrun.step_of(parser_args)
-    assert step == dryrun.Step(2097152, 8, 8192, 32768, "exact", 8, 0, True, True)  # the recipe's, chunk replaced
+    assert step == dataclasses.replace(dryrun.recipe_step("qwen35_27b_1m"), chunk_size=32768)  # a flag replaces one
+    assert step.training == dataclasses.replace(recipe_training(compose_recipe("qwen35_27b_1m")), chunk_size=32768)
+    assert step.fsdp2 and not dryrun.step_of(dryrun.parse_args([*args, "--no-fsdp2"])).fsdp2  # the whole step
     lora = dryrun.step_of(dryrun.parse_args([*args[:2], "--recipe", "qwen35_397b_ep_lora", "--lora-rank", "16"]))
     assert lora.expert_parallel and lora.cp_size == 16 and lora.lora == Lora(16, (
         "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"))  # the recipe's targets
@@ -99,14 +103,17 @@ def test_the_split_sizes_send_every_pair_and_skew_one_rank():
 
 @pytest.mark.skipif(transformers_ep.installed_release() < transformers_ep.MIN_TRANSFORMERS,
                     reason="expert parallelism needs transformers' ep_dispatch_experts plan")
-def test_lora_and_expert_parallelism_run_as_the_engine_runs_them():
+def test_lora_expert_parallelism_and_fsdp2_run_as_the_engine_runs_them():
     """The 397B-class MoE hybrid's first 4 layers (its real width) on 4 fake ranks, LoRA on the attention and Gated
-    DeltaNet projections, the routed experts split 4 ways: the walks run, only the adapters train, the estimate
-    bounds the peak; a capture's expert exchange sends a rank's pairs and gets back what its experts received, so
-    skewing the routing 3x to this rank's experts doubles it ((1 + 3) / 2) and raises the peak."""
+    DeltaNet projections, the routed experts split 4 ways, the rest sharded by FSDP2 as veRL wraps it, then AdamW's
+    step: the walks run, only the adapters train, the per-GPU table bounds the walks' peak and is the optimizer
+    step's bytes (shards, the adapters' gradients, moments and one temporary); a capture's expert exchange sends a
+    rank's pairs and gets back what its experts received, so skewing the routing 3x to this rank's experts doubles
+    it ((1 + 3) / 2) and raises the peak."""
     config = dryrun.model_config("Qwen3.5-397B-A17B", layers=4)
     step = dryrun.Step(16384, group_size=2, response_len=128, chunk_size=8192, cp_size=4, checkpointed=True,
-                       lora=Lora(8, ("q_proj", "in_proj_qkv")), expert_parallel=True)
+                       lora=Lora(8, ("q_proj", "in_proj_qkv")), expert_parallel=True, fsdp2=True,
+                       model_dtype=torch.bfloat16)
     balanced = dryrun.dry_run(config, step)
     skewed = dryrun.dry_run(config, dataclasses.replace(step, routing_skew=3.0))
     capture = "log_probs capture"
@@ -115,7 +122,9 @@ def test_lora_and_expert_parallelism_run_as_the_engine_runs_them():
     assert skewed.peak_bytes > balanced.peak_bytes
     assert len(balanced.trained) == 2 * 4 and all(".lora_A." in name or ".lora_B." in name
                                                   for name in balanced.trained)  # q_proj: 1 layer, in_proj_qkv: 3
-    assert dryrun.estimate(config, step).total_bytes >= balanced.peak_bytes
+    table = gpu_table(config, step.training, 96 * 10**9)
+    assert dryrun.bounds(balanced, dryrun.estimate(config, step), table)
+    assert balanced.optimizer_bytes == pytest.approx(table.optimizer_step, rel=1e-3)
 
 
 def test_the_time_models_collectives_include_the_dsa_selection():

@@ -12,6 +12,8 @@ from torch.nn import functional as F
 
 from verl_longstraw import fake_cuda
 
+pytestmark = pytest.mark.usefixtures("no_default_group")  # conftest: these tests make the fake group
+
 
 def test_cuda_tensors_are_fake_index_and_backpropagate_while_cpu_tensors_stay_real():
     meter = fake_cuda.DeviceBytes()
@@ -159,3 +161,46 @@ def test_a_half_matmul_with_float32_sums_runs_as_on_a_cuda_build():
         assert out.dtype == torch.float32 and out.shape == (2, 16, 16)
         assert mode.flops == 2 * 2 * 16 * 16 * 32
         assert matmul_dtype(a) == torch.bfloat16
+
+
+def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda():
+    """FSDP2 as the dry run applies it (``parallel.fsdp2.shard_as_verl``) over 4 fake ranks: its parameters are
+    DTensors on cuda (C++ reads a DTensor's device once, at construction), a forward and backward all-gather and
+    reduce-scatter, each parameter gets its gradient shard, and AdamW makes its two moments per shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from verl_longstraw.parallel.fsdp2 import shard_as_verl
+
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    meter = fake_cuda.DeviceBytes()
+    mode = fake_cuda.FakeCuda(meter)
+    with fake_cuda.fake_process_group(4), fake_cuda.fake_cuda_runtime():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fake_cuda.materialize(model, mode)
+        with mode:
+            shard_as_verl(model, init_device_mesh("cuda", (4,)), torch.bfloat16, torch.float32, offload=False)
+            params = list(model.parameters())
+            assert all(isinstance(p, DTensor) and p.device == fake_cuda.CUDA for p in params)
+            optimizer = torch.optim.AdamW(params)
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="cuda")).logits.float().sum().backward()
+            with torch.no_grad():  # a CPU build cannot run autograd's DTensor.to_local on cuda: no CUDA device guard
+                assert all(isinstance(p.grad, DTensor) and p.grad.to_local().shape == p.to_local().shape
+                           for p in params)
+                shards = [t.to_local() for p in params for t in (p, p.grad)] + list(model.buffers())
+            # what is alive: the shards, their gradients and the buffers (rotary tables); the unsharded parameters'
+            # storages, resized to 0 bytes by FSDP2 after backward, count so (``DeviceBytes.resized``)
+            assert meter.current == _storage_bytes(shards)
+            optimizer.step()
+        moments = [state[name] for state in optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
+        assert len(moments) == 2 * len(params) and all(fake_cuda.is_fake(m.to_local()) for m in moments)
+        assert meter.current == _storage_bytes(shards + [m.to_local() for m in moments])
+        assert torch.cuda.current_device() == 0
+    assert not dist.is_initialized()
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    return sum({fake_cuda.storage_id(t): t.untyped_storage().nbytes() for t in tensors}.values())

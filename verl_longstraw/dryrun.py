@@ -39,7 +39,14 @@ rank sends 1/R of its (token, expert) pairs to every rank), or with ``--routing-
 receiving S times their share from every rank. Without expert parallelism MoE layers run transformers' default
 ``grouped_mm`` experts, whose shapes do not depend on the routing.
 
-Not in this dry run (yet): FSDP2 units and the optimizer step, trees and response segments.
+``--fsdp2`` (a recipe's default) runs the whole step as the engine does: the model loaded in its ``model_dtype``,
+sharded over the CP group as veRL wraps it (``parallel.fsdp2.shard_as_verl``: decoder layers, embedding and lm_head
+units, mixed precision, ``offload_policy``; the routed experts outside FSDP2 under expert parallelism), the AdamW
+moments a previous step left on the device, the walks, then AdamW's step; every device byte counts and the per-GPU
+table (``estimate.gpu_table``) stands beside it. FSDP2's all-gathers and reduce-scatters are not traced per phase
+(the collective column is the CP walk's), and veRL's gradient clipping (a host read of the norm) is left out.
+
+Not in this dry run (yet): prefix trees.
 """
 
 from __future__ import annotations
@@ -56,20 +63,22 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from . import Knobs, fake_cuda, group_backward, group_log_probs, timemodel
-from .estimate import GIB, Lora, MemoryEstimate, estimate_memory, recipe_training
+from .estimate import GIB, GpuTable, Lora, MemoryEstimate, Training, estimate_memory, gpu_table, recipe_training
 from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS
-from .parallel import comm, experts, transformers_ep
+from .parallel import comm, experts, fsdp2, transformers_ep
 from .plan import Plan, star_plan
 from .state import host
 from .timemodel import PHASES
 from .timing import observe_phases
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OPTIMIZER_PHASE = "update optimizer step"  # Measured.phase_bytes' key of the optimizer step (Step.fsdp2)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,11 @@ class Step:
     """The walk of one rank: a prompt of ``prompt_len`` tokens, ``group_size`` responses of ``response_len``,
     on rank ``rank`` of ``cp_size``; LoRA adapters per ``lora`` (rank 0: none); the routed experts split over the
     ranks where ``expert_parallel``, this rank's experts receiving ``routing_skew`` times their balanced share of
-    the (token, expert) pairs (1: balanced; ``routed``)."""
+    the (token, expert) pairs (1: balanced; ``routed``). ``fsdp2``: the whole step as the engine runs it, the model
+    loaded in ``model_dtype`` and sharded by FSDP2 over the CP group as veRL wraps it (``parallel.fsdp2.shard_as_verl``:
+    computing in ``dtype``, reducing in ``reduce_dtype``, ``offload_policy``: veRL's), then AdamW's step
+    (``optimizer_offload``: its moments come back to the device for it, as veRL loads them); without it the walks
+    alone, on parameters of ``dtype`` whose bytes are not counted."""
 
     prompt_len: int
     group_size: int = 8
@@ -93,6 +106,11 @@ class Step:
     expert_parallel: bool = False
     routing_skew: float = 1.0
     response_chunk_size: int | None = None
+    fsdp2: bool = False
+    model_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    offload_policy: bool = False
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.routing_skew <= self.cp_size:
@@ -100,8 +118,9 @@ class Step:
                              f"(1) and every pair of the {self.cp_size} ranks ({self.cp_size}); pass a value in it")
         if self.expert_parallel and not self.lora.rank:
             raise ValueError("--expert-parallel with trainable experts (no LoRA): a CPU-only torch aborts in "
-                             "autograd's accumulation of a fake CUDA DTensor's gradient (no CUDA device guard); "
-                             "the dry run runs expert parallelism with LoRA (frozen experts): add --lora-rank")
+                             "autograd on a fake CUDA DTensor (transformers' expert forward takes each trainable "
+                             "expert weight's local shard with autograd; C++ wants CUDA's device guard); the dry run "
+                             "runs expert parallelism with LoRA (frozen experts): add --lora-rank")
         if self.routing_skew != 1.0 and not self.expert_parallel:
             raise ValueError("--routing-skew: the routing is read only under expert parallelism; add "
                              "--expert-parallel or leave the skew out")
@@ -110,6 +129,15 @@ class Step:
     def knobs(self) -> Knobs:
         return Knobs(chunk_size=self.chunk_size, response_chunk_size=self.response_chunk_size,
                      prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host)
+
+    @property
+    def training(self) -> Training:
+        """The step as the per-GPU table (``estimate.gpu_table``) reads it."""
+        return Training(self.prompt_len, self.group_size, self.response_len, self.chunk_size, self.prompt_grad,
+                        self.cp_size, self.state_grad_on_host, self.offload_policy, self.optimizer_offload,
+                        param_dtype=self.dtype, reduce_dtype=self.reduce_dtype, checkpointing=self.checkpointed,
+                        lora=self.lora, model_dtype=self.model_dtype, expert_parallel=self.expert_parallel,
+                        response_chunk_size=self.response_chunk_size)
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -121,14 +149,16 @@ class Step:
 @dataclass
 class Measured:
     """What the dry run measured on its rank: per phase ("log_probs capture", "update replay", ...) the peak device
-    bytes alive (``phase_bytes``, the walk's own: parameters and gradients excluded), the FLOPs counted by torch
+    bytes alive (``phase_bytes``: the walk's own, parameters and gradients excluded; with ``Step.fsdp2`` every
+    device byte of the step: shards, unsharded units, gradients, the walk), the FLOPs counted by torch
     (``phase_flops``), the collective bytes (``phase_collective_bytes``, the CP walk's) and the token bytes sent
     to the experts' all-to-alls (``phase_expert_bytes``: forward, and backward of the phase's forwards); over
     the step the peak (``peak_bytes``), the largest tensor (bytes; elements, with the op that made it),
     ``flops.py``'s count of the same walks (``model_flops``), the attention paths taken (``ATTENTION_PATHS``
     counts), the parameters that got a gradient (``trained``, by name), the host bytes (``state.host.host_memory``:
-    the state-gradient sums and their staging buffer, fake host tensors counted, never allocated) and the seconds
-    the dry run took."""
+    the state-gradient sums and their staging buffer, fake host tensors counted, never allocated), with
+    ``Step.fsdp2`` the device bytes at the optimizer step's peak (``optimizer_bytes``), and the seconds the dry run
+    took."""
 
     phase_bytes: dict[str, int] = field(default_factory=dict)
     phase_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -142,6 +172,7 @@ class Measured:
     model_flops: float = 0.0
     attention_paths: dict[str, int] = field(default_factory=dict)
     trained: set[str] = field(default_factory=set)
+    optimizer_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -293,43 +324,64 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     paths_before = _paths()
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        group = None
-        if step.cp_size > 1:
-            group = stack.enter_context(fake_cuda.fake_process_group(step.cp_size, step.rank))
+        group = world = None
+        if step.cp_size > 1 or step.fsdp2:  # FSDP2's mesh needs a default group, of one rank without CP
+            world = stack.enter_context(fake_cuda.fake_process_group(step.cp_size, step.rank))
+            group = world if step.cp_size > 1 else None
         stack.enter_context(fake_cuda.fake_cuda_runtime())
         stack.enter_context(gated_delta_rule.fla_stand_in(gated_delta_rule.fla_shapes))
         stack.enter_context(host.host_stand_in(lambda shape, dtype: fake_cuda.fake_empty(mode, shape, dtype, "cpu")))
-        model = fake_model(config, step.dtype, mode, step.checkpointed, step.lora)
+        model = fake_model(config, step.model_dtype if step.fsdp2 else step.dtype, mode, step.checkpointed, step.lora)
+        if step.fsdp2:
+            with experts.experts_set_aside(model) if step.expert_parallel else contextlib.nullcontext(), mode:
+                fsdp2.shard_as_verl(model, init_device_mesh("cuda", (step.cp_size,)), step.dtype, step.reduce_dtype,
+                                    step.offload_policy)
         if step.expert_parallel:
             experts.apply_expert_parallel(model, group)
             stack.enter_context(routed(mode, step.cp_size, step.rank, step.routing_skew))
         device_bytes.watch = {tuple(_local(p).shape) for p in model.parameters()}  # where a gradient may be
         stack.enter_context(mode)
         gradients: set[int] = set()  # serials of the storages that became parameter gradients
-
         names = {param: name for name, param in model.named_parameters()}
+        trains = [p for p in model.parameters() if p.requires_grad]
 
         def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (estimate.Training's), not the walk's
             gradients.add(device_bytes.serial(_local(param.grad)))
             measured.trained.add(names[param])
             param.grad = None
 
-        hooks = [p.register_post_accumulate_grad_hook(hand_over) for p in model.parameters() if p.requires_grad]
-        baseline = device_bytes.current
+        hooks = [] if step.fsdp2 else [p.register_post_accumulate_grad_hook(hand_over) for p in trains]
+        optimizer = torch.optim.AdamW(trains) if step.fsdp2 else None  # veRL's
+        if optimizer is not None and not (step.optimizer_offload or step.offload_policy):
+            for p in trains:  # the moments a previous step left on the device (AdamW makes them at its first step)
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        baseline = 0 if step.fsdp2 else device_bytes.current  # with FSDP2 every device byte of the step counts
         device_bytes.reset_peak()
         host.host_memory.reset_peak()
         stack.enter_context(observe_phases(meters))
-        meters.walk = "log_probs"
-        log_probs = group_log_probs(model, prompt, responses, cp_group=group, knobs=step.knobs, plan=plan)
-        del log_probs
-        meters.walk = "update"
-        result = group_backward(model, prompt, responses, lambda i, lp: lp.sum() / len(lp), cp_group=group,
-                                knobs=step.knobs, plan=plan)
+        held = fsdp2.held_unsharded(model) if step.fsdp2 and step.cp_size == 1 else contextlib.nullcontext()
+        with held:  # the engine's FSDP2 without CP: every unit gathered once, gradients reduce-scattered at the end
+            meters.walk = "log_probs"
+            log_probs = group_log_probs(model, prompt, responses, cp_group=group, knobs=step.knobs, plan=plan)
+            del log_probs
+            meters.walk = "update"
+            result = group_backward(model, prompt, responses, lambda i, lp: lp.sum() / len(lp), cp_group=group,
+                                    knobs=step.knobs, plan=plan)
+            if step.fsdp2 and step.cp_size == 1:
+                fsdp2.sync_gradients(model, "cuda", step.dtype)
         progress.finish()
         measured.model_flops = result.stats.model_flops
         del result
         for hook in hooks:
             hook.remove()
+        if step.fsdp2:
+            measured.trained = {names[p] for p in trains if p.grad is not None}
+            with device_bytes.phase(OPTIMIZER_PHASE):  # offloaded moments come back for it (veRL loads them)
+                optimizer.step()
+            measured.optimizer_bytes = device_bytes.phases[OPTIMIZER_PHASE]
+            del optimizer
         measured.host_peak_bytes = host.host_memory.peak
     measured.phase_expert_bytes = meters.expert_bytes()
     measured.seconds = time.perf_counter() - start
@@ -345,7 +397,10 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard: an expert-parallel weight or its gradient)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():  # autograd's to_local of a cuda DTensor wants CUDA's device guard: a CPU build has none
+        return tensor.to_local()
 
 
 def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimate:
@@ -369,10 +424,11 @@ def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str
 
 
 def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate, gpu_bytes: float,
-           work: dict[str, dict[str, float]], gpu: str) -> str:
+           work: dict[str, dict[str, float]], gpu: str, table: GpuTable | None = None) -> str:
     """The dry run's table: per phase the peak GiB, TFLOPs (torch's count) and collective GiB beside the time
     model's (``work``: ``modelled_work``) and its seconds on ``gpu`` at its assumed efficiencies; then the step's
-    peak beside the estimate, the largest tensor, the attention paths and the verdicts."""
+    peak beside the estimate (with ``Step.fsdp2``: the whole step's beside the per-GPU ``table``), the largest
+    tensor, the attention paths and the verdicts."""
     lora = f", LoRA rank {step.lora.rank} on {step.lora.target_modules}" if step.lora.rank else ""
     split = (f", experts split over the {step.cp_size} ranks, routing skew {step.routing_skew:g}"
              if step.expert_parallel else "")
@@ -388,14 +444,28 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
              "|---|---:|---:|---:|---:|---:|---:|"]
     rates = timemodel.ASSUMED.rates(timemodel.DEVICES[gpu])
     for phase, peak in measured.phase_bytes.items():
+        if phase == OPTIMIZER_PHASE:
+            lines.append(f"| {phase} | {peak / GIB:.2f} | | | | | |")
+            continue
         lines.append(f"| {phase} | {peak / GIB:.2f} | {measured.phase_flops[phase] / 1e12:.1f} | "
                      f"{measured.phase_collective_bytes[phase] / GIB:.2f} | {work[phase]['collective'] / GIB:.2f} | "
                      f"{measured.phase_expert_bytes[phase] / GIB:.2f} | {timemodel.seconds(work[phase], rates):.0f} |")
-    ratio = predicted.total_bytes / max(measured.peak_bytes, 1)
     update_flops = sum(f for p, f in measured.phase_flops.items() if p.startswith("update"))
+    if table is None:
+        ratio = predicted.total_bytes / max(measured.peak_bytes, 1)
+        verdict = (f"walk peak {measured.peak_bytes / GIB:.2f} GiB, estimate {predicted.total_bytes / GIB:.2f} GiB "
+                   f"(estimate / dry run = {ratio:.3f})")
+    else:
+        walk_peak = max(b for phase, b in measured.phase_bytes.items() if phase != OPTIMIZER_PHASE)
+        offload = (f"; offload_policy {step.offload_policy}, optimizer_offload {step.optimizer_offload}, model "
+                   f"{str(step.model_dtype).removeprefix('torch.')}")
+        verdict = (f"with FSDP2{offload}: walks' peak {walk_peak / GIB:.2f} GiB (shards, unsharded units, gradients, "
+                   f"moments, the walk), per-GPU table {table.peak / GIB:.2f} (table / dry run = "
+                   f"{table.peak / max(walk_peak, 1):.3f}); optimizer step {measured.optimizer_bytes / GIB:.2f} GiB, "
+                   f"table {table.optimizer_step / GIB:.2f} (table / dry run = "
+                   f"{table.optimizer_step / max(measured.optimizer_bytes, 1):.3f})")
     lines += ["",
-              f"walk peak {measured.peak_bytes / GIB:.2f} GiB, estimate {predicted.total_bytes / GIB:.2f} GiB "
-              f"(estimate / dry run = {ratio:.3f}); update walk {update_flops / 1e12:.1f} TFLOPs counted by torch, "
+              f"{verdict}; update walk {update_flops / 1e12:.1f} TFLOPs counted by torch, "
               f"{measured.model_flops / 1e12:.1f} by flops.py",
               f"host {measured.host_peak_bytes / GIB:.2f} GiB, estimate {predicted.host_bytes / GIB:.2f} GiB (state-"
               "gradient sums and their staging buffer: fake host tensors, counted, not allocated)",
@@ -419,14 +489,16 @@ def _made_by(made_by: tuple | None) -> str:
 
 def recipe_step(name: str) -> Step:
     """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``estimate.recipe_training``): its
-    lengths, LongStraw knobs, checkpointing, LoRA and expert parallelism."""
+    lengths, LongStraw knobs, checkpointing, LoRA, expert parallelism and FSDP2 settings, the whole step (FSDP2)."""
     from .configs import compose_recipe
 
     try:
         run = recipe_training(compose_recipe(name))
         return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size,
                     0, run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel,
-                    response_chunk_size=run.response_chunk_size)
+                    response_chunk_size=run.response_chunk_size, fsdp2=True, model_dtype=run.model_dtype,
+                    reduce_dtype=run.reduce_dtype, offload_policy=run.offload_policy,
+                    optimizer_offload=run.optimizer_offload)
     except ValueError as exc:
         raise SystemExit(f"--recipe {name}: {exc}") from exc
 
@@ -442,7 +514,8 @@ def step_of(args: argparse.Namespace) -> Step:
              "chunk_size": args.chunk_size, "prompt_grad": args.prompt_grad, "cp_size": args.cp_size,
              "rank": args.rank, "checkpointed": args.checkpointed, "state_grad_on_host": args.state_grad_on_host,
              "dtype": DTYPES[args.dtype] if args.dtype else None, "expert_parallel": args.expert_parallel,
-             "routing_skew": args.routing_skew, "response_chunk_size": args.response_chunk_size}
+             "routing_skew": args.routing_skew, "response_chunk_size": args.response_chunk_size,
+             "fsdp2": args.fsdp2}
     if args.lora_rank is not None or args.lora_targets is not None:
         targets = base.lora.target_modules  # peft reads a string as a pattern: a list of names stays a tuple
         if args.lora_targets:
@@ -481,6 +554,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the routed experts over the CP group (parallel.experts)")
     parser.add_argument("--routing-skew", type=float,
                         help="this rank's experts receive S times their balanced share (default 1: balanced)")
+    parser.add_argument("--fsdp2", action="store_true", default=None,
+                        help="the whole step: FSDP2 over the CP group as veRL wraps it, then AdamW's step (a recipe's "
+                             "default)")
+    parser.add_argument("--no-fsdp2", dest="fsdp2", action="store_false", help="the walks alone")
     parser.add_argument("--gpu-gb", type=float, default=96.0, help="device memory in GB (10^9 bytes)")
     parser.add_argument("--gpu", choices=sorted(timemodel.DEVICES), default="H20",
                         help="the GPU the time model prices each phase on")
@@ -493,16 +570,26 @@ def main(argv: list[str] | None = None) -> int:
     step = step_of(args)
     measured = dry_run(config, step)
     predicted = estimate(config, step)
+    table = gpu_table(config, step.training, int(args.gpu_gb * 1e9)) if step.fsdp2 else None
     name = args.model or args.config
     if args.recipe:
         name += f" ({args.recipe})"
     if args.layers:
         name += f" (first {args.layers} layers)"
-    print(report(name, step, measured, predicted, args.gpu_gb * 1e9, modelled_work(config, step), args.gpu))
-    bounded = predicted.total_bytes >= measured.peak_bytes
+    print(report(name, step, measured, predicted, args.gpu_gb * 1e9, modelled_work(config, step), args.gpu, table))
+    bounded = bounds(measured, predicted, table)
     fits = measured.peak_bytes <= args.gpu_gb * 1e9
-    print(f"estimate bounds the dry run: {bounded}; walk fits {args.gpu_gb:g} GB: {fits}")
+    print(f"estimate bounds the dry run: {bounded}; {'step' if table else 'walk'} fits {args.gpu_gb:g} GB: {fits}")
     return 0 if bounded and fits else 1
+
+
+def bounds(measured: Measured, predicted: MemoryEstimate, table: GpuTable | None) -> bool:
+    """Whether the estimate bounds the dry run: the walk's estimate its peak, or with FSDP2 the per-GPU ``table``
+    the walks' peak and the optimizer step's."""
+    if table is None:
+        return predicted.total_bytes >= measured.peak_bytes
+    walk_peak = max(b for phase, b in measured.phase_bytes.items() if phase != OPTIMIZER_PHASE)
+    return table.peak >= walk_peak and table.optimizer_step >= measured.optimizer_bytes
 
 
 if __name__ == "__main__":

@@ -577,6 +577,14 @@ class ParameterCounts:
     root: int
     experts: tuple[int, ...]
     trains: ParameterCounts | None = None
+    dims: tuple[tuple[int, int, bool], ...] = ()  # each parameter's (dim 0, elements per dim-0 row, a routed expert's)
+    buffer_bytes: int = 0  # the model's buffers (rotary tables), which every rank holds whole on the device
+
+    def shard(self, cp_size: int, expert_parallel: bool) -> int:
+        """The parameters rank 0 of ``cp_size`` holds as FSDP2 shards: FSDP2 splits each parameter on dim 0, rank 0
+        taking ceil(dim 0 / R) rows (a [1, 4096] gate: all of it); the routed experts are outside FSDP2 under
+        ``expert_parallel``."""
+        return sum(-(-rows // cp_size) * row for rows, row, routed in self.dims if not (routed and expert_parallel))
 
     @property
     def total(self) -> int:
@@ -625,8 +633,11 @@ def count_units(model: torch.nn.Module) -> ParameterCounts:
     def counts(which, trains: ParameterCounts | None = None) -> ParameterCounts:
         units = tuple(sum(p.numel() for p in m.parameters() if which(p)) for m in modules)
         experts = tuple(sum(p.numel() for p in m.parameters() if which(p) and p in routed) for m in modules)
+        dims = tuple((p.shape[0] if p.dim() else 1, p.numel() // max(p.shape[0] if p.dim() else 1, 1), p in routed)
+                     for p in model.parameters() if which(p))
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         return ParameterCounts(units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units), experts,
-                               trains)
+                               trains, dims, buffers)
 
     frozen = any(not p.requires_grad for p in model.parameters())
     return counts(lambda p: True, counts(lambda p: p.requires_grad) if frozen else None)
@@ -786,7 +797,8 @@ class GpuTable:
     ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
     ``preflight`` what the engine's pre-flight check compares with the device's free memory at the start of a
     step: the group terms, the unsharded units and, under expert parallelism, the expert shards' gradients (the
-    resident shards are already outside the free memory)."""
+    resident shards are already outside the free memory); ``optimizer_step`` the device bytes at AdamW's step (after
+    the walks: ``gpu_table``)."""
 
     rows: tuple[tuple[str, int, int], ...]
     peak: int
@@ -794,6 +806,7 @@ class GpuTable:
     preflight: int
     gpu_bytes: int
     gpus_per_node: int
+    optimizer_step: int = 0
 
     def markdown(self) -> str:
         """The rows as a markdown table in GiB (2 decimals), with the totals against the GPU's memory."""
@@ -831,15 +844,18 @@ def gpu_table(
     ``estimate_memory`` (checkpointed when ``run.checkpointing``). ``adapter``/``params``:
     ``adapters.adapter_on_meta(config)`` and ``parameter_counts(config)`` when already built. The unsharded-gradient
     row is an upper bound (two units' gradients and their reduce-scatter copies at once). Not counted: the CUDA
-    context, NCCL buffers, allocator fragmentation, the no-grad capture's transients (the pre-flight row's
-    ``total_bytes`` counts them) and the optimizer step (AdamW
-    moments that ``optimizer_offload`` keeps on the host come back to the device for it)."""
+    context, NCCL buffers, allocator fragmentation and the no-grad capture's transients (the pre-flight row's
+    ``total_bytes`` counts them). ``optimizer_step``: at AdamW's step (torch's foreach implementation, which
+    DTensors take) the device holds the parameter and gradient shards of what trains, its two moments (those that
+    ``optimizer_offload`` keeps on the host come back for it, as veRL loads them) and one moment-sized temporary
+    (``_foreach_sqrt`` of the second moment), the frozen shards and the buffers beside them; none of it with
+    ``offload_policy``, whose step runs on the host, but for the expert shards (outside FSDP2) and the buffers."""
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     n, r, ep = params if params is not None else parameter_counts(config, run.lora), run.cp_size, run.expert_parallel
     dtype, width = VERL_DTYPE_NAMES[run.model_dtype], run.model_dtype.itemsize
     fsdp_total = n.total - (n.expert_total if ep else 0)  # what FSDP2 shards
-    shard = width * fsdp_total // r
-    trained_shard = width * (n.trainable.total - (n.trainable.expert_total if ep else 0)) // r
+    shard = width * n.shard(r, ep)  # rank 0's: about N / R (ceil per parameter)
+    trained_shard = width * n.trainable.shard(r, ep)
     lora = run.lora.rank > 0
     pair = n.largest_pair_without_experts if ep else n.largest_pair
     unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True, expert_parallel=ep)
@@ -926,4 +942,6 @@ def gpu_table(
     group_rows = 6  # the state ... recompute rows: the estimate's terms, whose peak is ``e.total_bytes``
     peak = sum(device for _, device, _ in rows[:-group_rows]) + e.total_bytes
     host = sum(h for _, _, h in rows)
-    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node)
+    fsdp_step = 0 if run.offload_policy else shard + 4 * trained_shard  # gradients, two moments, a temporary
+    optimizer_step = fsdp_step + experts.parameters + 4 * experts.gradients + n.buffer_bytes
+    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step)

@@ -9,7 +9,10 @@ of autograd, indexing and counting on such tensors, and the mode answers them:
 - C++ asks a tensor's device through ``prim.device`` and then wants CUDA's device guard, which a CPU build lacks
   (``x[i]``, ``x[i] = y`` and autograd's gradient accumulators fail with "not linked with support for cuda
   devices"): the mode answers ``meta`` to C++ while Python's ``tensor.device`` stays ``cuda:0`` (FakeTensor's own
-  property), so every Python branch on the device type takes its CUDA side;
+  property), so every Python branch on the device type takes its CUDA side; but a DTensor (FSDP2's parameters,
+  expert parallelism's experts) built on a fake tensor takes its device from C++ once, at construction, and must
+  say cuda (FSDP2 refuses meta parameters): inside ``fake_cuda_runtime`` the mode answers cuda then; a tensor
+  subclass's op is the subclass's to run (on its fake local tensors);
 - composite C++ ops then build tensors with the meta device of ``tensor.options()``: the mode makes them cuda;
 - ``torch.cuda`` streams and events (the host copies of ``state.host``) do not exist: ``fake_cuda_runtime`` gives
   no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it;
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
 from torch.utils import _pytree as pytree
@@ -41,6 +45,8 @@ from torch.utils.flop_counter import flop_registry
 CUDA = torch.device("cuda", 0)
 _SDPA = F.scaled_dot_product_attention
 _META = torch.device("meta")
+_METERS: weakref.WeakSet = weakref.WeakSet()  # the DeviceBytes alive (``_resize_counted`` tells them)
+_making_dtensor = 0  # DTensor constructions running (``fake_cuda_runtime``): C++ reads the device they wrap
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -95,14 +101,16 @@ class FakeCuda(FakeTensorMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.prim.device.default:
-            return _META  # C++ callers only: Python's tensor.device is FakeTensor.fake_device
+        if func is torch.ops.prim.device.default:  # C++ callers only: Python's tensor.device is its fake_device
+            return args[0].fake_device if _making_dtensor else _META
         if func is _LOCAL_SCALAR and self._answers is not None and isinstance(args[0], FakeTensor):
             return self._answer()
         kwargs = kwargs or {}
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
             kwargs = {**kwargs, "device": CUDA}  # a composite op's tensor.options()
         leaves = pytree.tree_leaves((args, kwargs))
+        if any(type(x) not in _PLAIN and isinstance(x, torch.Tensor) for x in leaves):
+            return NotImplemented  # a tensor subclass (a DTensor): it runs the op on its local fake tensors
         if not any(isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda") for x in leaves):
             with unset_fake_temporarily():  # real CPU tensors only: run for real
                 return func(*args, **kwargs)
@@ -122,6 +130,7 @@ class FakeCuda(FakeTensorMode):
         return out
 
 
+_PLAIN = (torch.Tensor, nn.Parameter, FakeTensor)  # tensors this mode runs ops on itself
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default  # a host read of one element (.item(), .tolist())
 
@@ -231,6 +240,21 @@ class DeviceBytes:
         self._watched_at_peak: dict[int, int] = {}
         self._phase_watched: dict[str, dict[int, int]] = {}
         self._phase: str | None = None
+        _METERS.add(self)
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage`` (``before`` bytes) was resized in place (FSDP2 frees an unsharded parameter's storage by
+        resizing it to 0 bytes and allocates it again the same way): it counts at its new size."""
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            return
+        serial, nbytes = entry[0], storage.nbytes()
+        self._live[storage._cdata] = (serial, nbytes)
+        if serial in self._watched:
+            self._watched[serial] = nbytes
+        self.current += nbytes - before
+        self.largest = max(self.largest, nbytes)
+        self._peaked()
 
     def _release(self, key: int) -> None:
         serial, nbytes = self._live.pop(key)
@@ -371,15 +395,17 @@ class _Cudart:
 
 @contextlib.contextmanager
 def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """``torch.cuda`` as the dry run's CUDA code reads it: available, one device named ``name`` of compute
-    capability ``capability``, streams and events that do nothing (``torch.cuda.stream(s)`` a no-op context,
+    """``torch.cuda`` as the dry run's CUDA code reads it: available, one device (the current one, 0) named ``name``
+    of compute capability ``capability``, streams and events that do nothing (``torch.cuda.stream(s)`` a no-op context,
     ``Tensor.record_stream`` too), host memory registration (pinning) that succeeds, no real CUDA tensor made to
     start a context (``fake_tensor.init_gpu_context``, which a CUDA build of torch runs); and
     ``F.scaled_dot_product_attention`` taking the GPU's kernel on fake tensors (``_cuda_sdpa``); the ops a CUDA build
-    runs as one kernel dispatched as one op (``_cuda_kernels_of_a_cuda_build``)."""
+    runs as one kernel dispatched as one op (``_cuda_kernels_of_a_cuda_build``); DTensors built on fake CUDA tensors
+    on device cuda (``_dtensor_on_cuda``); storages resized in place counted at their new size by every
+    ``DeviceBytes`` (``_resize_counted``)."""
     cuda = torch.cuda
     names = ("is_available", "Stream", "Event", "stream", "current_stream", "device_count", "get_device_capability",
-             "get_device_name", "cudart")
+             "get_device_name", "cudart", "current_device", "set_device", "_lazy_init", "is_current_stream_capturing")
     saved = {name: getattr(cuda, name) for name in names}
     record_stream = torch.Tensor.record_stream
     torch.Tensor.record_stream = lambda tensor, stream: None
@@ -393,16 +419,55 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     cuda.Stream, cuda.Event, cuda.cudart = _Stream, _Event, _Cudart
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.current_stream = lambda device=None: _Stream()
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda._lazy_init = lambda: None
+    cuda.is_current_stream_capturing = lambda: False  # the optimizers ask
+    resize = torch.UntypedStorage.resize_
+    torch.UntypedStorage.resize_ = _resize_counted(resize)
+    make_dtensor = DTensor.__new__
+    DTensor.__new__ = _dtensor_on_cuda(make_dtensor)
     kernels = _cuda_kernels_of_a_cuda_build()
     try:
         yield
     finally:
         kernels._destroy()
+        DTensor.__new__ = make_dtensor
+        torch.UntypedStorage.resize_ = resize
         for name, value in saved.items():
             setattr(cuda, name, value)
         torch.Tensor.record_stream = record_stream
         fake_tensor.init_gpu_context = init_gpu_context
         F.scaled_dot_product_attention = _SDPA
+
+
+def _resize_counted(resize):
+    """``UntypedStorage.resize_`` telling every ``DeviceBytes`` the storage's new size (no op reaches the mode: a
+    meta storage resizes in C++ directly)."""
+
+    def resize_(storage, size):
+        before = storage.nbytes()
+        out = resize(storage, size)
+        for meter in list(_METERS):
+            meter.resized(storage, before)
+        return out
+
+    return resize_
+
+
+def _dtensor_on_cuda(make_dtensor):
+    """``DTensor.__new__`` (C++: it reads its local tensor's device through ``prim.device``) answered with the fake
+    tensor's own device, cuda, where ``FakeCuda`` answers meta to every other C++ caller."""
+
+    def new(cls, local_tensor, spec, *, requires_grad):
+        global _making_dtensor
+        _making_dtensor += 1
+        try:
+            return make_dtensor(cls, local_tensor, spec, requires_grad=requires_grad)
+        finally:
+            _making_dtensor -= 1
+
+    return new
 
 
 def _never_runs(*args, **kwargs):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from verl_longstraw import fake_cuda
 from verl_longstraw.parallel.attention import sharded_blocked_transient_bytes, sharded_prefix_attention
+
+pytestmark = pytest.mark.usefixtures("no_default_group")  # conftest: these tests make the fake group
 
 CASES = [  # query sizes, rank, prefix rows per rank, query heads, dtype
     ([1024] * 4, 0, 2048, 64, torch.bfloat16),
@@ -18,14 +19,6 @@ CASES = [  # query sizes, rank, prefix rows per rank, query heads, dtype
     ([40] * 5, 3, 100, 16, torch.bfloat16),
     ([300, 256, 200], 2, 1000, 16, torch.float32),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_default_group():
-    """The fake process group is this process's default group: one an earlier test left (the in-process veRL engine
-    tests keep a one-rank gloo group, and tests that need one make it again where none is) is closed first."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _measured(sizes, rank, prefix_rows, heads, dtype, qk_dim=576, v_dim=512) -> tuple[int, int]:

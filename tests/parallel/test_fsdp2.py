@@ -1,15 +1,19 @@
 """FSDP2 control (parallel/fsdp2.py) on a tiny fully_shard model: settings read back as the public
-setters wrote them, held unsharded inside `held_unsharded`, restored as found on exit."""
+setters wrote them, held unsharded inside `held_unsharded`, restored as found on exit; the dry run's restatement of
+veRL's FSDP2 wrap targets equals veRL's."""
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl_longstraw.parallel.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings
+from verl_longstraw.estimate import Lora
+from verl_longstraw.parallel.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings, verl_wrap_targets
 from verl_longstraw.parallel.launch import free_port
+from verl_longstraw.tiny import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +64,18 @@ def test_held_unsharded_holds_then_restores_as_found(model):
         assert not any(_sharded(model)), "a forward or backward resharded inside held_unsharded"
     assert sharding_settings(model) == before
     assert all(_sharded(model))
+
+
+@pytest.mark.parametrize("family, tied, lora", [("qwen3", False, False), ("qwen3", True, False),
+                                                ("qwen3_5", False, True), ("deepseek_v3", False, False)])
+def test_the_dry_runs_wrap_targets_are_verls(family, tied, lora):
+    """``verl_wrap_targets`` (the dry run's restatement) selects what veRL 0.9.1's FSDP2 wrapping selects."""
+    fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils")
+    config = tiny_config(family)
+    config.tie_word_embeddings = tied
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = Lora(4 if lora else 0).wrap(model)
+    ours = verl_wrap_targets(model)
+    assert ours == fsdp_utils._select_fsdp2_wrap_targets(model, model._no_split_modules)
+    assert len(ours) == config.num_hidden_layers + (0 if tied else 2)

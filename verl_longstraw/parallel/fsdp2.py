@@ -22,8 +22,42 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+
+def verl_wrap_targets(model: nn.Module) -> list[nn.Module]:
+    """The modules veRL's FSDP2 wrapping shards on their own, in ``named_modules`` order: each module whose class is
+    one of ``model._no_split_modules`` (the decoder layers), and the input embedding and ``lm_head`` unless the
+    model ties them. veRL 0.9.1's ``verl.utils.fsdp_utils._select_fsdp2_wrap_targets`` with veRL's default wrap
+    policy, restated for the dry run, which runs without veRL (tests/parallel/test_fsdp2.py pins the two equal)."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not layer_classes:
+        raise ValueError(f"{type(model).__name__} names no _no_split_modules: veRL's FSDP2 wrapping needs the "
+                         "decoder layer class (veRL's fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)")
+    by_name = set() if getattr(model.config, "tie_word_embeddings", False) else {"embed_tokens", "lm_head"}
+    return [module for name, module in model.named_modules()
+            if type(module).__name__ in layer_classes
+            or (isinstance(module, nn.Embedding) and by_name)
+            or (name.rsplit(".", 1)[-1] in by_name and hasattr(module, "weight"))]
+
+
+def shard_as_verl(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                  offload: bool) -> nn.Module:
+    """``model`` ``fully_shard``-ed over ``mesh`` as veRL's FSDP2 engine does it (``apply_fsdp2``): each of
+    ``verl_wrap_targets``, then the root; mixed precision computing in ``param_dtype``, reducing gradients in
+    ``reduce_dtype`` (forward inputs cast); resharded after forward (veRL's default); ``offload``: veRL's
+    ``offload_policy``, the shards, their gradients and the optimizer step on pinned host memory. In place."""
+    kwargs = {"mesh": mesh, "reshard_after_forward": True,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                cast_forward_inputs=True),
+              "offload_policy": CPUOffloadPolicy(pin_memory=True) if offload else None}
+    if kwargs["offload_policy"] is None:
+        del kwargs["offload_policy"]
+    for module in verl_wrap_targets(model):
+        fully_shard(module, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
