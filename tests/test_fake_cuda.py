@@ -163,10 +163,14 @@ def test_a_half_matmul_with_float32_sums_runs_as_on_a_cuda_build():
         assert matmul_dtype(a) == torch.bfloat16
 
 
-def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda():
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda(offload):
     """FSDP2 as the dry run applies it (``parallel.fsdp2.shard_as_verl``) over 4 fake ranks: its parameters are
     DTensors on cuda (C++ reads a DTensor's device once, at construction), a forward and backward all-gather and
-    reduce-scatter, each parameter gets its gradient shard, and AdamW makes its two moments per shard."""
+    reduce-scatter, each parameter gets its gradient shard, and AdamW makes its two moments per shard. With veRL's
+    ``offload_policy`` (FSDP2's CPU offload, pinned) the shards, gradients and moments are fake host tensors: the
+    device holds the buffers only once the step is done, and no real host memory is taken."""
+    where = torch.device("cpu") if offload else fake_cuda.CUDA
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -181,9 +185,9 @@ def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda():
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         fake_cuda.materialize(model, mode)
         with mode:
-            shard_as_verl(model, init_device_mesh("cuda", (4,)), torch.bfloat16, torch.float32, offload=False)
+            shard_as_verl(model, init_device_mesh("cuda", (4,)), torch.bfloat16, torch.float32, offload=offload)
             params = list(model.parameters())
-            assert all(isinstance(p, DTensor) and p.device == fake_cuda.CUDA for p in params)
+            assert all(isinstance(p, DTensor) and p.device == where for p in params)
             optimizer = torch.optim.AdamW(params)
             model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="cuda")).logits.float().sum().backward()
             with torch.no_grad():  # a CPU build cannot run autograd's DTensor.to_local on cuda: no CUDA device guard
@@ -192,11 +196,14 @@ def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda():
                 shards = [t.to_local() for p in params for t in (p, p.grad)] + list(model.buffers())
             # what is alive: the shards, their gradients and the buffers (rotary tables); the unsharded parameters'
             # storages, resized to 0 bytes by FSDP2 after backward, count so (``DeviceBytes.resized``)
-            assert meter.current == _storage_bytes(shards)
+            assert all(fake_cuda.is_fake(t) for t in shards)  # on the host too: nothing allocated
+            on_device = [t for t in shards if t.device == fake_cuda.CUDA]
+            assert meter.current == _storage_bytes(on_device) and len(on_device) == len(shards) - offload * 2 * len(
+                params)
             optimizer.step()
-        moments = [state[name] for state in optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
-        assert len(moments) == 2 * len(params) and all(fake_cuda.is_fake(m.to_local()) for m in moments)
-        assert meter.current == _storage_bytes(shards + [m.to_local() for m in moments])
+        moments = [state[name].to_local() for state in optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
+        assert len(moments) == 2 * len(params) and all(fake_cuda.is_fake(m) and m.device == where for m in moments)
+        assert meter.current == _storage_bytes(on_device + [m for m in moments if m.device == fake_cuda.CUDA])
         assert torch.cuda.current_device() == 0
     assert not dist.is_initialized()
 

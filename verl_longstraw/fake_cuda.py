@@ -15,7 +15,8 @@ of autograd, indexing and counting on such tensors, and the mode answers them:
   subclass's op is the subclass's to run (on its fake local tensors);
 - composite C++ ops then build tensors with the meta device of ``tensor.options()``: the mode makes them cuda;
 - ``torch.cuda`` streams and events (the host copies of ``state.host``) do not exist: ``fake_cuda_runtime`` gives
-  no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it;
+  no-op stand-ins, and ``torch.cuda.is_available()`` answers True inside it; pinning a fake host tensor (FSDP2's
+  CPU offload) gives a fake host tensor;
 - a few ops (``silu_backward``) have no CUDA kernel in a CPU build and would decompose into smaller ops before the
   mode sees them, each step's output counted: ``fake_cuda_runtime`` registers never-called CUDA stand-ins so they
   reach the mode as one op, and the mode counts an op whose fake implementation is itself a decomposition as one.
@@ -103,6 +104,8 @@ class FakeCuda(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:  # C++ callers only: Python's tensor.device is its fake_device
             return args[0].fake_device if _making_dtensor else _META
+        if func in _PINNING and isinstance(args[0], FakeTensor):  # no host memory to pin: a fake host tensor
+            return True if func is _IS_PINNED else torch.empty_like(args[0])
         if func is _LOCAL_SCALAR and self._answers is not None and isinstance(args[0], FakeTensor):
             return self._answer()
         kwargs = kwargs or {}
@@ -111,11 +114,12 @@ class FakeCuda(FakeTensorMode):
         leaves = pytree.tree_leaves((args, kwargs))
         if any(type(x) not in _PLAIN and isinstance(x, torch.Tensor) for x in leaves):
             return NotImplemented  # a tensor subclass (a DTensor): it runs the op on its local fake tensors
+        if self._depth:  # a step of an op's decomposition: one fused kernel on a GPU, counted as the op (fake, even
+            # where the step makes a host tensor from no tensor: a fake tensor's copy to the host)
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if not any(isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda") for x in leaves):
             with unset_fake_temporarily():  # real CPU tensors only: run for real
                 return func(*args, **kwargs)
-        if self._depth:  # a step of an op's decomposition: one fused kernel on a GPU, counted as the op
-            return super().__torch_dispatch__(func, types, args, kwargs)
         workspace = _flash_backward_workspace(*args) if func is _FLASH_BACKWARD else ()
         self._depth += 1
         try:
@@ -131,6 +135,8 @@ class FakeCuda(FakeTensorMode):
 
 
 _PLAIN = (torch.Tensor, nn.Parameter, FakeTensor)  # tensors this mode runs ops on itself
+_IS_PINNED = torch.ops.aten.is_pinned.default
+_PINNING = (torch.ops.aten._pin_memory.default, _IS_PINNED)  # pinned host memory (FSDP2's CPUOffloadPolicy)
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default  # a host read of one element (.item(), .tolist())
 
@@ -402,7 +408,8 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     ``F.scaled_dot_product_attention`` taking the GPU's kernel on fake tensors (``_cuda_sdpa``); the ops a CUDA build
     runs as one kernel dispatched as one op (``_cuda_kernels_of_a_cuda_build``); DTensors built on fake CUDA tensors
     on device cuda (``_dtensor_on_cuda``); storages resized in place counted at their new size by every
-    ``DeviceBytes`` (``_resize_counted``)."""
+    ``DeviceBytes`` (``_resize_counted``); a fake tensor's ``is_meta`` its fake device's (FSDP2 moves no meta
+    parameter to the host)."""
     cuda = torch.cuda
     names = ("is_available", "Stream", "Event", "stream", "current_stream", "device_count", "get_device_capability",
              "get_device_name", "cudart", "current_device", "set_device", "_lazy_init", "is_current_stream_capturing")
@@ -423,6 +430,8 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     cuda.set_device = lambda device: None
     cuda._lazy_init = lambda: None
     cuda.is_current_stream_capturing = lambda: False  # the optimizers ask
+    is_meta = FakeTensor.is_meta  # Tensor's: C++ reads the device (meta)
+    FakeTensor.is_meta = property(lambda tensor: tensor.fake_device.type == "meta")  # FSDP2's offload asks
     resize = torch.UntypedStorage.resize_
     torch.UntypedStorage.resize_ = _resize_counted(resize)
     make_dtensor = DTensor.__new__
@@ -434,6 +443,7 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
         kernels._destroy()
         DTensor.__new__ = make_dtensor
         torch.UntypedStorage.resize_ = resize
+        FakeTensor.is_meta = is_meta
         for name, value in saved.items():
             setattr(cuda, name, value)
         torch.Tensor.record_stream = record_stream
