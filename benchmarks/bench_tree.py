@@ -12,7 +12,7 @@ Engines (fp32, SDPA, veRL's gradient checkpointing on, SGD lr 1e-6, as `bench_en
 - `tree`: the longstraw engine as configured by default (one process: the micro-batch's rows as prefix trees,
   `tree_log_probs` / `tree_backward`), with `min_shared_tokens` 64 x scale; in shape c with `response_chunk_size`
   2048 x scale (``--response-chunk-size``, in tokens at scale 1);
-- `star`: the same engine with its units forced to the GRPO groups (``StarEngine``: `regroup`, by uid and prompt)
+- `star`: the same engine with its units forced to the GRPO groups (``StarEngine``: `grpo_groups`, by uid and prompt)
   through `group_log_probs` / `group_backward`: the path before prefix trees, what the engine runs under context
   parallelism; every distinct prompt is captured on its own;
 - `tree_unsegmented` (shape c only): `tree` with `response_chunk_size` None (the response replayed whole);
@@ -63,8 +63,11 @@ from bench_engine import (
 
 from verl_longstraw import capture_prompt, group_backward, group_log_probs
 from verl_longstraw.integration.engine import LongStrawEngine
-from verl_longstraw.integration.regroup import Fragment, regroup
+from verl_longstraw.integration.losses import TwoPass
+from verl_longstraw.integration.regroup import WalkRows, grpo_groups, prompt_lengths, sample_temperatures
 from verl_longstraw.machine import describe, machine
+from verl_longstraw.parallel import comm
+from verl_longstraw.plan import Plan, star_plan
 from verl_longstraw.testing import verl_harness as testing
 from verl_longstraw.tiny import VOCAB
 
@@ -173,25 +176,55 @@ def shape_engines(shape: str, fsdp2: bool = True) -> dict[str, str]:
     return {**engines, STAR: STAR, TREE: TREE}
 
 
+@dataclass
+class Fragment:
+    """Samples of one micro-batch that share a prompt: one GRPO group (``grpo_groups``), the star path's unit.
+
+    prompt_ids: [P] prompt tokens (no padding); rows: walk rows of the samples (``WalkRows``);
+    responses: [T_i] response tokens per row; temperature: the rows' common sampling temperature.
+    """
+
+    prompt_ids: torch.Tensor
+    rows: list[int]
+    responses: list[torch.Tensor]
+    temperature: float
+
+
+def fragments(walk: WalkRows) -> list[Fragment]:
+    """The GRPO groups of each micro-batch of ``walk`` (``grpo_groups``) as fragments, in micro-batch order."""
+    out = []
+    for m, data in enumerate(walk.micro_batches):
+        values, offsets = data["input_ids"].values(), data["input_ids"].offsets().tolist()
+        prompts, temperatures = prompt_lengths(data).tolist(), sample_temperatures(data, len(data))
+        for rows in grpo_groups(data):
+            start, p = offsets[rows[0]], int(prompts[rows[0]])
+            out.append(Fragment(values[start : start + p], [walk.first[m] + row for row in rows],
+                                [values[offsets[row] + p : offsets[row + 1]] for row in rows], temperatures[rows[0]]))
+    return out
+
+
 class StarEngine(LongStrawEngine):
     """The longstraw engine on the star path, the path before prefix trees: every micro-batch's GRPO groups (by
-    uid and prompt, ``regroup``), each run by ``group_log_probs`` / ``group_backward``. A two-pass step captures
+    uid and prompt, ``fragments``), each run by ``group_log_probs`` / ``group_backward``. A two-pass step captures
     each group's prompt once: its log-prob pass keeps the state (``capture_prompt``) and the backward reuses it,
-    so the states of the call's groups are alive together between the two passes."""
+    so the states of the call's groups are alive together between the two passes. Its ``tokens_forwarded`` is the
+    engine's ``star_tokens_forwarded`` (tests/test_bench_agent.py)."""
 
-    def _walk(self, walk, units, loss_function, forward_only, stats, walk_metrics):
-        self._keep_states = len(self._walk_modes(loss_function, forward_only)) == 2
+    def _walk(self, walk, units, loss_function, strategy, stats, walk_metrics):
+        self._keep_states = isinstance(strategy, TwoPass)
         self._states: dict[int, Any] = {}
         try:
-            return super()._walk(walk, units, loss_function, forward_only, stats, walk_metrics)
+            return super()._walk(walk, units, loss_function, strategy, stats, walk_metrics)
         finally:
             self._states = {}
 
     def _walk_units(self, walk) -> list[Callable[[], list[Fragment]]]:
-        return [lambda: [f for m, mb in enumerate(walk.micro_batches) for f in regroup(mb, walk.first[m])]]
+        return [lambda: fragments(walk)]
 
-    def _unit_plan(self, unit: Fragment):
-        return self._star_plan(unit)
+    def _unit_plan(self, unit: Fragment) -> Plan:
+        """This rank's plan of one GRPO group run as a star (``plan.star_plan``) with the engine's knobs."""
+        return star_plan(len(unit.prompt_ids), [len(r) for r in unit.responses], self.longstraw.knobs,
+                         self.cp_size, comm.group_rank(self.get_context_parallel_group()))
 
     def _unit_log_probs(self, unit: Fragment, with_entropy: bool, stats):
         knobs, group = self.longstraw.knobs, self.get_context_parallel_group()

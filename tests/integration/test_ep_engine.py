@@ -290,12 +290,9 @@ def test_expert_parallel_needs_context_parallelism():
 
 def test_only_what_a_step_adds_to_an_expert_gradient_is_divided():
     """A gradient accumulated over two calls: the first call's share stays, the second's is divided by R."""
-    from types import SimpleNamespace
-
-    from verl_longstraw.integration.engine import LongStrawEngine
+    from verl_longstraw.integration.parallelize import unscale_expert_gradients
 
     fresh, accumulated = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
     fresh.grad, accumulated.grad = torch.full((3,), 4.0), torch.full((3,), 1.0 + 4.0)  # after this call's backward
-    LongStrawEngine._unscale_expert_gradients(SimpleNamespace(cp_size=2), {fresh: None,
-                                                                          accumulated: torch.full((3,), 1.0)})
+    unscale_expert_gradients({fresh: None, accumulated: torch.full((3,), 1.0)}, cp_size=2)
     assert torch.equal(fresh.grad, torch.full((3,), 2.0)) and torch.equal(accumulated.grad, torch.full((3,), 3.0))

@@ -1,4 +1,4 @@
-"""Regrouping a veRL micro-batch into prompt fragments (integration/regroup.py)."""
+"""Grouping a veRL micro-batch's rows into GRPO groups (integration/regroup.py: ``grpo_groups``)."""
 
 import pytest
 
@@ -17,20 +17,18 @@ def _reference(td) -> dict[tuple, list[int]]:
     return groups
 
 
-def _described(fragments: list[rg.Fragment], td) -> dict[tuple, list[int]]:
-    uids = rg.sample_uids(td)
-    return {(uids[f.rows[0]], tuple(f.prompt_ids.tolist())): f.rows for f in fragments}
+def _described(groups: list[list[int]], td) -> dict[tuple, list[int]]:
+    uids, lengths = rg.sample_uids(td), rg.prompt_lengths(td).tolist()
+    offsets, values = td["input_ids"].offsets().tolist(), td["input_ids"].values()
+    return {(uids[rows[0]], tuple(values[offsets[rows[0]] : offsets[rows[0]] + lengths[rows[0]]].tolist())): rows
+            for rows in groups}
 
 
-def test_fragments_are_the_rows_grouped_by_uid_and_prompt():
+def test_groups_are_the_rows_grouped_by_uid_and_prompt():
     td = make_batch(n_groups=4, group_size=3, seed=11, empty_responses=4)
-    fragments = rg.regroup(td)
-    assert _described(fragments, td) == _reference(td)
-    offsets = td["input_ids"].offsets().tolist()
-    for frag in fragments:
-        for row, response in zip(frag.rows, frag.responses, strict=True):
-            assert len(frag.prompt_ids) + len(response) == offsets[row + 1] - offsets[row]
-    assert sum(len(f.rows) for f in fragments) == len(td) - 4  # rows without response tokens: no fragment
+    groups = rg.grpo_groups(td)
+    assert _described(groups, td) == _reference(td)
+    assert sum(len(rows) for rows in groups) == len(td) - 4  # rows without response tokens: no group
 
 
 def test_equal_prompts_have_equal_checksums_and_distinct_prompts_differ():
@@ -47,7 +45,7 @@ def test_checksum_collisions_are_split_by_comparing_tokens(monkeypatch):
     expected = sorted(_reference(td).values())
     monkeypatch.setattr(rg, "prompt_checksums", lambda data, lengths: lengths * 0)
     monkeypatch.setattr(rg, "sample_uids", lambda data: ["same"] * len(data))
-    assert sorted(f.rows for f in rg.regroup(td)) == expected
+    assert sorted(rg.grpo_groups(td)) == expected
 
 
 def test_a_row_without_prompt_tokens_is_refused(monkeypatch):
@@ -56,4 +54,4 @@ def test_a_row_without_prompt_tokens_is_refused(monkeypatch):
     lengths[1] = 0
     monkeypatch.setattr(rg, "prompt_lengths", lambda data: lengths)
     with pytest.raises(ValueError, match="sample 1 has no prompt tokens"):
-        rg.regroup(td)
+        rg.grpo_groups(td)

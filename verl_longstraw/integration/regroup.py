@@ -1,6 +1,7 @@
-"""Regroup samples: a micro-batch's into prompt groups (``regroup``: fragments of GRPO groups, by uid), a walk's
-micro-batches into rows for prefix trees (``prefix_trees``: whatever the rows share, found from their token ids by
-the plan; ``WalkRows`` numbers the rows across the micro-batches)."""
+"""Regroup samples: a walk's micro-batches into rows for prefix trees (``prefix_trees``: whatever the rows share,
+found from their token ids by the plan; ``WalkRows`` numbers the rows across the micro-batches), and a micro-batch's
+rows into their GRPO groups (``grpo_groups``, by uid and prompt: the star path's units, what the
+``longstraw/star_tokens_forwarded`` metric counts)."""
 
 import bisect
 from dataclasses import dataclass
@@ -10,20 +11,6 @@ import torch
 from tensordict import TensorDict
 
 from ..plan import Plan
-
-
-@dataclass
-class Fragment:
-    """Samples of one micro-batch that share a prompt.
-
-    prompt_ids: [P] prompt tokens (no padding); rows: walk rows of the samples (``WalkRows``);
-    responses: [T_i] response tokens per row; temperature: the rows' common sampling temperature.
-    """
-
-    prompt_ids: torch.Tensor
-    rows: list[int]
-    responses: list[torch.Tensor]
-    temperature: float
 
 
 @dataclass
@@ -132,16 +119,15 @@ def prompt_checksums(data: TensorDict, lengths: torch.Tensor) -> torch.Tensor:
     return torch.zeros(len(rows), dtype=torch.long, device=values.device).index_add_(0, row_of, terms)
 
 
-def regroup(data: TensorDict, first_row: int = 0) -> list[Fragment]:
-    """Group the rows of a no-padding micro-batch by (uid, prompt tokens, temperature); a fragment's ``rows`` are
-    the micro-batch's rows plus ``first_row`` (its first row's number in a walk, ``WalkRows``).
+def grpo_groups(data: TensorDict) -> list[list[int]]:
+    """The rows of a no-padding micro-batch grouped by (uid, prompt tokens, temperature), each group in first-seen
+    row order.
 
-    `input_ids` is a nested [B, P_i + T_i] tensor; each fragment keeps first-seen row order.
-    Rows sharing a prompt but not a uid stay in separate fragments, as do rows whose
-    temperatures differ (one capture serves one temperature). Rows without response tokens
-    are in no fragment: they have nothing to score and, as in veRL's engines, no loss term.
-    Rows are matched by uid, prompt length and `prompt_checksums`, then each group's prompts are
-    compared on the device at once (one host sync per group).
+    `input_ids` is a nested [B, P_i + T_i] tensor. Rows sharing a prompt but not a uid stay in separate groups, as do
+    rows whose temperatures differ (one capture serves one temperature). Rows without response tokens are in no
+    group: they have nothing to score and, as in veRL's engines, no loss term. Rows are matched by uid, prompt
+    length and `prompt_checksums`, then each group's prompts are compared on the device at once (one host sync per
+    group).
     """
     input_ids = data["input_ids"]
     values = input_ids.values()
@@ -159,15 +145,11 @@ def regroup(data: TensorDict, first_row: int = 0) -> list[Fragment]:
             raise ValueError(f"sample {row} has no prompt tokens; LongStraw needs at least one.")
         if offsets[row + 1] - offsets[row] > p:
             candidates.setdefault((uids[row], p, checksums[row], temperatures[row]), []).append(row)
-    fragments = []
-    for (_, p, _, temperature), rows in candidates.items():
+    groups = []
+    for (_, p, _, _), rows in candidates.items():
         prompts = [values[offsets[row] : offsets[row] + p] for row in rows]
-        for members in _same_prompt_runs(rows, prompts):
-            first = offsets[members[0]]
-            responses = [values[offsets[row] + p : offsets[row + 1]] for row in members]
-            fragments.append(Fragment(values[first : first + p], [first_row + row for row in members], responses,
-                                      temperature))
-    return fragments
+        groups.extend(_same_prompt_runs(rows, prompts))
+    return groups
 
 
 def _same_prompt_runs(rows: list[int], prompts: list[torch.Tensor]) -> list[list[int]]:
