@@ -137,3 +137,17 @@ def test_the_time_models_collectives_include_the_dsa_selection():
     assert measured.phase_collective_bytes["log_probs capture"] > 0
     for phase, amounts in work.items():
         assert amounts["collective"] == pytest.approx(measured.phase_collective_bytes[phase], abs=1024), phase
+
+
+def test_fsdp2_offload_keeps_the_shards_on_the_host_and_the_walk_on_the_device():
+    """veRL's ``offload_policy`` (FSDP2's CPU offload): the shards, their gradients and the optimizer step live on the
+    host, so the device holds only the buffers at the step; the walk still runs on the device (its ids and state
+    where FSDP2 gathers the units, ``parallel.fsdp2.compute_device``, not where the shards sit), within the table."""
+    config = dryrun.model_config("Qwen3.5-27B", layers=1)
+    step = dryrun.Step(4096, group_size=2, response_len=256, chunk_size=2048, cp_size=2, checkpointed=True,
+                       fsdp2=True, offload_policy=True, optimizer_offload=True)
+    measured = dryrun.dry_run(config, step)
+    table = gpu_table(config, step.training, 96 * 10**9)
+    assert measured.optimizer_bytes == table.optimizer_step < 2**20  # the buffers (rotary tables) only
+    assert dryrun.bounds(measured, dryrun.estimate(config, step), table)
+    assert measured.phase_flops["update replay"] > 0 and measured.attention_paths  # the walk ran on fake CUDA

@@ -174,7 +174,7 @@ def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda(offload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from verl_longstraw.parallel.fsdp2 import shard_as_verl
+    from verl_longstraw.parallel.fsdp2 import compute_device, shard_as_verl
 
     config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
@@ -188,6 +188,7 @@ def test_fsdp2_shards_trains_and_steps_an_optimizer_on_fake_cuda(offload):
             shard_as_verl(model, init_device_mesh("cuda", (4,)), torch.bfloat16, torch.float32, offload=offload)
             params = list(model.parameters())
             assert all(isinstance(p, DTensor) and p.device == where for p in params)
+            assert compute_device(model) == fake_cuda.CUDA  # where the walk runs, offloaded or not
             optimizer = torch.optim.AdamW(params)
             model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="cuda")).logits.float().sum().backward()
             with torch.no_grad():  # a CPU build cannot run autograd's DTensor.to_local on cuda: no CUDA device guard

@@ -27,6 +27,7 @@ from .estimate import estimate_plan
 from .execute import GroupResult, GroupStats, LossFn, Sequences, capture, walk
 from .knobs import Knobs
 from .parallel import comm
+from .parallel.fsdp2 import compute_device
 from .plan import Plan, star_plan, star_source, tree_plan, tree_source
 from .preflight import check_budget
 from .state import PathState
@@ -102,10 +103,6 @@ def validate_tree(model: nn.Module, sequences: list[torch.Tensor], score_starts:
                              "truncate it")
         adapter.check_length(len(ids))
     return adapter
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
@@ -245,7 +242,7 @@ def _group(model: nn.Module, prompt_ids: torch.Tensor, responses: list[torch.Ten
                                                                          group_plan.world, 0)
             estimate = estimate_plan(adapter.config, on_rank0, mode, next(model.parameters()).dtype,
                                      adapter=adapter, state_grad_on_host=knobs.state_grad_on_host,
-                                     device_type=_device(model).type)
+                                     device_type=compute_device(model).type)
             check_budget(estimate, estimate_under)
         return adapter, group_plan
 
@@ -282,7 +279,7 @@ def capture_prompt(
     adapter, plan = _agree(cp_group, validate, {"prompt_ids": [prompt_ids]}, knobs)
     stats = stats if stats is not None else GroupStats()
     mode = "exact" if for_backward else "log_probs"
-    store, captured = capture(adapter, plan, _star_rows(prompt_ids, [], _device(model)), mode, cp_group, stats,
+    store, captured = capture(adapter, plan, _star_rows(prompt_ids, [], compute_device(model)), mode, cp_group, stats,
                               on_host=knobs.state_grad_on_host and for_backward)
     return PromptState(store, captured, prompt_ids.detach().clone(), plan, for_backward)
 
@@ -312,7 +309,7 @@ def group_log_probs(
     """
     adapter, plan = _group(model, prompt_ids, responses, "log_probs", temperature, knobs, cp_group, plan, state,
                            entropy=return_entropy)
-    return _walk(adapter, plan, _star_rows(prompt_ids, responses, _device(model)), "log_probs", temperature,
+    return _walk(adapter, plan, _star_rows(prompt_ids, responses, compute_device(model)), "log_probs", temperature,
                  return_entropy, None, knobs, stats, cp_group, state)
 
 
@@ -354,7 +351,7 @@ def group_backward(
     """
     adapter, plan = _group(model, prompt_ids, responses, knobs.prompt_grad, temperature, knobs, cp_group, plan,
                            state, memory_budget_bytes, entropy=with_entropy, memory_budget_bytes=memory_budget_bytes)
-    return _walk(adapter, plan, _star_rows(prompt_ids, responses, _device(model)), knobs.prompt_grad,
+    return _walk(adapter, plan, _star_rows(prompt_ids, responses, compute_device(model)), knobs.prompt_grad,
                  temperature, with_entropy, loss_fn, knobs, stats, cp_group, state)
 
 
@@ -377,7 +374,7 @@ def _tree(model: nn.Module, sequences: list[torch.Tensor], score_starts: list[in
 
 
 def _tree_rows(sequences: list[torch.Tensor], model: nn.Module) -> Sequences:
-    device = _device(model)
+    device = compute_device(model)
     return Sequences([(s.to(device),) for s in sequences])
 
 

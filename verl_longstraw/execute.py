@@ -35,6 +35,7 @@ from .fake_cuda import is_fake
 from .flops import BACKWARD, model_cost
 from .mixers import layer_needs_output
 from .parallel import comm
+from .parallel.fsdp2 import compute_device
 from .plan import Plan, Split, Step
 from .score import Scoring, score
 from .state import LayerState, PathState
@@ -303,7 +304,7 @@ class _Walk:
 
     @property
     def store_device(self) -> torch.device:
-        return next(self.adapter.model.parameters()).device
+        return compute_device(self.adapter.model)
 
     def _capture(self, step: Step) -> None:
         s = self.plan.segments[step.segments[0]]

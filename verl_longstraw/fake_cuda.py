@@ -35,9 +35,11 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
 from torch.utils import _pytree as pytree
@@ -103,7 +105,8 @@ class FakeCuda(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:  # C++ callers only: Python's tensor.device is its fake_device
-            return args[0].fake_device if _making_dtensor else _META
+            device = args[0].fake_device  # a fake host tensor's is the host (a CPU build has its device guard)
+            return device if _making_dtensor or device.type != "cuda" else _META
         if func in _PINNING and isinstance(args[0], FakeTensor):  # no host memory to pin: a fake host tensor
             return True if func is _IS_PINNED else torch.empty_like(args[0])
         if func is _LOCAL_SCALAR and self._answers is not None and isinstance(args[0], FakeTensor):
@@ -409,7 +412,7 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     runs as one kernel dispatched as one op (``_cuda_kernels_of_a_cuda_build``); DTensors built on fake CUDA tensors
     on device cuda (``_dtensor_on_cuda``); storages resized in place counted at their new size by every
     ``DeviceBytes`` (``_resize_counted``); a fake tensor's ``is_meta`` its fake device's (FSDP2 moves no meta
-    parameter to the host)."""
+    parameter to the host); DTensor's shape inference uncounted (``_uncounted``)."""
     cuda = torch.cuda
     names = ("is_available", "Stream", "Event", "stream", "current_stream", "device_count", "get_device_capability",
              "get_device_name", "cudart", "current_device", "set_device", "_lazy_init", "is_current_stream_capturing")
@@ -432,6 +435,8 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
     cuda.is_current_stream_capturing = lambda: False  # the optimizers ask
     is_meta = FakeTensor.is_meta  # Tensor's: C++ reads the device (meta)
     FakeTensor.is_meta = property(lambda tensor: tensor.fake_device.type == "meta")  # FSDP2's offload asks
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    ShardingPropagator._propagate_tensor_meta_non_cached = _uncounted(propagate)
     resize = torch.UntypedStorage.resize_
     torch.UntypedStorage.resize_ = _resize_counted(resize)
     make_dtensor = DTensor.__new__
@@ -443,12 +448,31 @@ def fake_cuda_runtime(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int
         kernels._destroy()
         DTensor.__new__ = make_dtensor
         torch.UntypedStorage.resize_ = resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
         FakeTensor.is_meta = is_meta
         for name, value in saved.items():
             setattr(cuda, name, value)
         torch.Tensor.record_stream = record_stream
         fake_tensor.init_gpu_context = init_gpu_context
         F.scaled_dot_product_attention = _SDPA
+
+
+def _uncounted(propagate):
+    """DTensor's output-shape inference (``ShardingPropagator._propagate_tensor_meta_non_cached``: it runs the op on
+    fake tensors of the global shape, in the active fake mode) not counted as the device's bytes or FLOPs: no GPU
+    allocates it."""
+
+    def run(self, op_schema):
+        mode = detect_fake_mode()
+        if not isinstance(mode, FakeCuda):
+            return propagate(self, op_schema)
+        mode._depth += 1  # as a step inside an op: neither metered nor counted
+        try:
+            return propagate(self, op_schema)
+        finally:
+            mode._depth -= 1
+
+    return run
 
 
 def _resize_counted(resize):

@@ -33,6 +33,7 @@ from ..adapters import adapter_for
 from ..errors import UnsupportedModelError
 from ..lora import base_model
 from . import transformers_ep
+from .fsdp2 import mesh_device
 from .transformers_ep import DISPATCH, SHARDED, matches
 
 
@@ -141,7 +142,7 @@ def broadcast_expert_weights(model: nn.Module, weights: dict[str, torch.Tensor] 
         for p_name, param in list(module.named_parameters()):
             local = param.to_local()
             if local.is_meta:
-                local = torch.empty_like(local, device=_mesh_device(param.device_mesh))
+                local = torch.empty_like(local, device=mesh_device(param.device_mesh))
                 module._parameters[p_name] = nn.Parameter(
                     DTensor.from_local(local, param.device_mesh, param.placements, run_check=False),
                     requires_grad=param.requires_grad)
@@ -153,12 +154,6 @@ def broadcast_expert_weights(model: nn.Module, weights: dict[str, torch.Tensor] 
                 dist.broadcast(part, src=src)
                 if shard == owner:
                     local.copy_(part)
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 @contextmanager

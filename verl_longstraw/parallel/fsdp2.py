@@ -27,6 +27,23 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of ``mesh``: its device type at the current index (the host for a CPU mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: its parameters', or where FSDP2 keeps their shards on the host (veRL's
+    ``offload_policy``: ``CPUOffloadPolicy``, which gathers each unit onto its mesh's device to run it) that mesh's
+    device. What the walk puts its token ids and prompt state on."""
+    param = next(model.parameters())
+    if isinstance(param, DTensor) and param.device.type == "cpu":
+        return mesh_device(param.device_mesh)
+    return param.device
+
+
 def verl_wrap_targets(model: nn.Module) -> list[nn.Module]:
     """The modules veRL's FSDP2 wrapping shards on their own, in ``named_modules`` order: each module whose class is
     one of ``model._no_split_modules`` (the decoder layers), and the input embedding and ``lm_head`` unless the
