@@ -49,7 +49,7 @@ PY="$VENV/bin/python"
 ABSENT=(verl verl-longstraw flash-linear-attention fla-core flash-attn)
 # the torch-only package parts ("P.*": every module of package P)
 IMPORTS=(verl_longstraw "verl_longstraw.ops.*" "verl_longstraw.parallel.*" verl_longstraw.estimate verl_longstraw.tiny
-         verl_longstraw.fake_cuda verl_longstraw.dryrun verl_longstraw.models
+         verl_longstraw.model_terms verl_longstraw.gpu_table verl_longstraw.fake_cuda verl_longstraw.dryrun verl_longstraw.models
          verl_longstraw.testing verl_longstraw.testing.compare verl_longstraw.testing.scripts
          verl_longstraw.testing.fsdp_probe)
 # cuda-toolkit extras that a CPU `import torch` needs (libraries libtorch_cuda.so / libtorch_global_deps.so link)

@@ -13,7 +13,9 @@ import torch
 
 from verl_longstraw import dryrun
 from verl_longstraw.configs import compose_recipe
-from verl_longstraw.estimate import GIB, Lora, gpu_table, recipe_training
+from verl_longstraw.estimate import GIB
+from verl_longstraw.gpu_table import gpu_table
+from verl_longstraw.model_terms import Lora, recipe_training
 from verl_longstraw.parallel import transformers_ep
 
 STEP = dryrun.Step(65536, group_size=4, response_len=2048, chunk_size=16384, cp_size=4, checkpointed=True,

@@ -142,7 +142,7 @@ def test_lora_on_the_short_conv_is_refused():
 def test_estimate_counts_frozen_base_without_gradients():
     """The estimate's parameter counts of a LoRA model (the engine's ``count_units``, and ``parameter_counts``
     of a config under ``Lora``, as the recipe tables build it): gradients and optimizer state for the adapters only."""
-    from verl_longstraw.estimate import Lora, count_units, parameter_counts, unsharded_bytes
+    from verl_longstraw.model_terms import Lora, count_units, parameter_counts, unsharded_bytes
     from verl_longstraw.tiny import tiny_config
 
     model = lora_model("qwen3_5")

@@ -37,9 +37,9 @@ TRANSFORMERS = (
      (EQUIVALENCE,)),
     ("PreTrainedModel._keep_in_fp32_modules_strict (routers kept float32, 5.2x)", "private class attribute",
      "tiny.py (a float64 model is cast whole)", (EQUIVALENCE, EP_PARITY)),
-    ("PretrainedConfig.get_text_config", "method", "adapters/base.py, estimate.py, profile.py",
+    ("PretrainedConfig.get_text_config", "method", "adapters/base.py, estimate.py, model_terms.py, profile.py",
      (f"{CONTRACT}::test_qwen3_5_vision_language_checkpoint_on_text",)),
-    ("PreTrainedModel.get_input_embeddings / get_output_embeddings / get_decoder", "methods", "estimate.py",
+    ("PreTrainedModel.get_input_embeddings / get_output_embeddings / get_decoder", "methods", "model_terms.py",
      (f"{LORA}::test_estimate_counts_frozen_base_without_gradients",)),
     ("<model>.rotary_emb(h, position_ids), .mrope_section, .inv_freq", "submodule call, attributes",
      "adapters/base.py, adapters/gpt_oss.py, estimate.py",
@@ -77,12 +77,12 @@ TRANSFORMERS = (
      "parallel/transformers_ep.py, parallel/experts.py (trace_all_to_all)",
      (SEAM, f"{EP_FILE}::test_uneven_routing_and_a_rank_whose_experts_get_no_token",
       "tests/parallel/test_ep_estimate.py")),
-    ("experts module .num_experts / .hidden_dim", "attributes", "parallel/experts.py, estimate.py",
+    ("experts module .num_experts / .hidden_dim", "attributes", "parallel/experts.py, model_terms.py",
      (EP_PARITY, "tests/parallel/test_ep_estimate.py")),
 )
 
 PEFT = (
-    ("peft.LoraConfig, peft.get_peft_model", "class, function", "estimate.py (parameter counts)",
+    ("peft.LoraConfig, peft.get_peft_model", "class, function", "model_terms.py (Lora.wrap)",
      (f"{LORA}::test_estimate_counts_frozen_base_without_gradients",)),
     ("PeftModel.peft_config / get_base_model", "attribute, method", "lora.py (base_model)", (LORA,)),
     ("LoraLayer.lora_A / .base_layer / get_base_layer / disable_adapters / merged / active_adapters",

@@ -67,7 +67,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from . import Knobs, fake_cuda, group_backward, group_log_probs, timemodel
-from .estimate import GIB, GpuTable, Lora, MemoryEstimate, Training, estimate_memory, gpu_table, recipe_training
+from .estimate import GIB, MemoryEstimate, estimate_memory
+from .gpu_table import GpuTable, gpu_table
+from .model_terms import Lora, Training, recipe_training
 from .models import CONFIGS
 from .ops import gated_delta_rule
 from .ops.attention import ATTENTION_PATHS

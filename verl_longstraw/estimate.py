@@ -49,6 +49,10 @@ norms' float32 copies are added, measured from the model's own norm modules: ``m
 state kinds' bytes, the scoring's chunks and the MoE exchange. At a real model's width and length the dry run
 (``verl_longstraw.dryrun``, fake CUDA tensors) is the reference it is checked against. ``adapters.adapter_on_meta``
 gives the ops of a config alone. ``preflight`` turns the estimate into an early, actionable error.
+
+This module holds the walk only (the group terms). What the model costs a training step besides it (FSDP2's
+parameter, gradient and moment shards, the unsharded units, the routed experts' shards) is ``model_terms``'; the
+per-GPU figures of a step, both together, are ``gpu_table``'s.
 """
 
 from __future__ import annotations
@@ -56,18 +60,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .adapters import Adapter, adapter_on_meta, model_on_meta
-from .errors import UnsupportedModelError
+from .adapters import Adapter, adapter_on_meta
 from .knobs import REPLAY_TOKENS, Knobs
-from .lora import base_model
 from .mixers import LayerCall, Saves, layer_needs_output
 from .mixers.base import upcast_row_bytes
-from .parallel import experts as parallel_experts
-from .plan import Plan, Step, chain_bounds, star_plan
+from .model_terms import expert_exchange
+from .plan import Plan, Step, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
@@ -87,7 +88,9 @@ def score_transient_bytes(vocab_size: int, rows: int, head_gradient: int = 0) ->
     in its backward ``head_gradient`` bytes (``score.head_gradient_bytes`` where the LM head is trained, else 0)."""
     chunk_rows = max(1, SCORE_CHUNK_BYTES // (4 * vocab_size))
     return SCORE_TRANSIENT_CHUNKS * 4 * vocab_size * min(rows, chunk_rows) + head_gradient
-GIB = 2**30
+
+
+GIB = 2**30  # bytes
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class MemoryEstimate:
     layer_call_tokens: int = 0  # the most tokens this rank runs through one layer in one call of the walk (a captured
     # or recomputed chunk's own rows, a replay batch's padded tokens): what one MoE layer's token exchange carries
     all_to_all_bytes: int = 0  # expert parallelism: the send and receive buffers of the largest MoE-layer call's
-    # token exchange (``ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
+    # token exchange (``model_terms.ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
     saved_state_bytes: int = 0  # of the saved bytes of the backward step at the peak, the state buffers its attention
     # saves as views (``Saves.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
     backward_grad_bytes: int | None = None  # the state-gradient bytes on the device at the backward peak's step
@@ -556,392 +559,3 @@ def estimate_plan(
                                                                  state_grad_on_host, checkpointed, device_type,
                                                                  expert_parallel)
     return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)
-
-
-def _largest_pair(units: Sequence[int]) -> int:
-    """The most of two consecutive ``units`` (all of them when there are fewer than two)."""
-    return max((a + b for a, b in zip(units[:-1], units[1:], strict=True)), default=sum(units))
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
-    (``verl.utils.fsdp_utils.apply_fsdp2``), in the order a forward runs them: the input embedding, each
-    decoder layer, the lm_head (embedding and lm_head are units only when untied); ``root``: the rest
-    (e.g. the final norm), sharded with the root module. ``experts``: of each unit's parameters, those of its routed
-    experts (``parallel.experts.dispatched_experts``: what expert parallelism splits over the CP group and keeps
-    out of FSDP2; 0 for a dense unit). ``trains``: the same counts of the parameters that get gradients and
-    optimizer state (a LoRA model's adapters; None: every parameter)."""
-
-    units: tuple[int, ...]
-    root: int
-    experts: tuple[int, ...]
-    trains: ParameterCounts | None = None
-    dims: tuple[tuple[int, int, bool], ...] = ()  # each parameter's (dim 0, elements per dim-0 row, a routed expert's)
-    buffer_bytes: int = 0  # the model's buffers (rotary tables), which every rank holds whole on the device
-
-    def shard(self, cp_size: int, expert_parallel: bool) -> int:
-        """The parameters rank 0 of ``cp_size`` holds as FSDP2 shards: FSDP2 splits each parameter on dim 0, rank 0
-        taking ceil(dim 0 / R) rows (a [1, 4096] gate: all of it); the routed experts are outside FSDP2 under
-        ``expert_parallel``."""
-        return sum(-(-rows // cp_size) * row for rows, row, routed in self.dims if not (routed and expert_parallel))
-
-    @property
-    def total(self) -> int:
-        return sum(self.units) + self.root
-
-    @property
-    def expert_total(self) -> int:
-        """The routed experts' parameters, all MoE layers."""
-        return sum(self.experts)
-
-    @property
-    def trainable(self) -> ParameterCounts:
-        """The counts of the parameters that train."""
-        return self.trains if self.trains is not None else self
-
-    @property
-    def largest_pair(self) -> int:
-        """The most parameters of two consecutive units: FSDP2 unsharding the running unit and the next."""
-        return _largest_pair(self.units)
-
-    @property
-    def largest_pair_without_experts(self) -> int:
-        """The most parameters of two consecutive units less their routed experts: what FSDP2 unshards at once
-        under expert parallelism (the experts stay resident shards)."""
-        return _largest_pair([unit - experts for unit, experts in zip(self.units, self.experts, strict=True)])
-
-
-def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
-    """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit; under
-    ``lora`` as veRL builds it (peft's ``get_peft_model``, the base frozen)."""
-    return count_units((lora or Lora()).wrap(model_on_meta(config)))
-
-
-def count_units(model: torch.nn.Module) -> ParameterCounts:
-    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` or expert parallelism made them
-    DTensors), those of its routed experts (``parallel.experts.dispatched_experts``; none for a model without an
-    expert-parallel plan), and (``trains``) those that require gradients where some do not (a LoRA model)."""
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = head is not None and head.weight is not embed.weight
-    modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
-    try:
-        routed = {p for _, module in parallel_experts.dispatched_experts(model) for p in module.parameters()}
-    except UnsupportedModelError:  # no expert-parallel plan: every parameter is FSDP2's
-        routed = set()
-
-    def counts(which, trains: ParameterCounts | None = None) -> ParameterCounts:
-        units = tuple(sum(p.numel() for p in m.parameters() if which(p)) for m in modules)
-        experts = tuple(sum(p.numel() for p in m.parameters() if which(p) and p in routed) for m in modules)
-        dims = tuple((p.shape[0] if p.dim() else 1, p.numel() // max(p.shape[0] if p.dim() else 1, 1), p in routed)
-                     for p in model.parameters() if which(p))
-        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        return ParameterCounts(units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units), experts,
-                               trains, dims, buffers)
-
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return counts(lambda p: True, counts(lambda p: p.requires_grad) if frozen else None)
-
-
-def unsharded_bytes(
-    params: ParameterCounts,
-    cp_size: int,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    training: bool,
-    expert_parallel: bool = False,
-) -> tuple[int, int]:
-    """(parameter bytes, gradient bytes) a rank holds unsharded at once during a step: two consecutive FSDP2
-    units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
-    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch); with ``expert_parallel`` the two units
-    less their routed experts (``ParameterCounts.largest_pair_without_experts``; the experts' shards are resident,
-    ``expert_shard_bytes``). Gradients (``training``) of the parameters that train (``ParameterCounts.trainable``) in
-    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
-    if expert_parallel and cp_size < 2:
-        raise ValueError(f"expert_parallel splits the experts over the CP group: cp_size must be > 1, got {cp_size}")
-
-    def held(counts: ParameterCounts) -> int:
-        if expert_parallel:
-            return counts.largest_pair_without_experts
-        return counts.largest_pair if cp_size > 1 else counts.total
-
-    reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
-    trained = held(params.trainable)  # LoRA: the adapters
-    return held(params) * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
-
-
-class ExpertShardBytes(NamedTuple):
-    """Bytes of the routed-expert shards one rank of a CP group of R holds under expert parallelism: E / R experts of
-    every MoE layer, DTensors outside FSDP2 in their own dtype (the model's: veRL's ``fsdp_config.model_dtype``)."""
-
-    parameters: int  # resident: 1/R of the routed experts' parameters
-    gradients: int  # of those that train: from a step's first backward until the optimizer step (each the whole
-    # group's gradient of the rank's experts)
-    moments: int  # AdamW's exp_avg and exp_avg_sq of those that train, in the same dtype
-
-
-def expert_shard_bytes(params: ParameterCounts, cp_size: int, dtype: torch.dtype) -> ExpertShardBytes:
-    """The routed-expert shards (``ParameterCounts.experts``) of one of ``cp_size`` ranks in ``dtype``: each MoE
-    layer's experts divide evenly over the ranks (``parallel.experts.check_expert_parallel`` requires it)."""
-    shard = sum(experts // cp_size for experts in params.experts) * dtype.itemsize
-    trained = sum(experts // cp_size for experts in params.trainable.experts) * dtype.itemsize
-    return ExpertShardBytes(parameters=shard, gradients=trained, moments=2 * trained)
-
-
-class ExpertExchange(NamedTuple):
-    """One MoE-layer call's token exchange on one rank under expert parallelism (transformers'
-    ``EpDispatchExpertsParallel``: the rank's tokens go to their ``top_k`` experts' owners by all-to-all, one hidden
-    vector per (token, top-k slot) pair, and the experts' outputs come back the same way), in bytes."""
-
-    pair_bytes: int  # [tokens x top_k, hidden] in the model dtype: the pairs this rank dispatches (exact whatever the
-    # routing); with balanced routing also the pairs it receives, the outputs it returns and those it gets back
-    transient_bytes: int  # the dispatch's send and receive buffers held at once: 2 x pair_bytes with balanced routing
-    # (a rank that receives every pair of the group's R ranks holds (R + 1) x pair_bytes)
-    collective_bytes: int  # the tensors passed to the token all-to-alls in the call's forward, dispatched pairs and
-    # returned outputs: 2 x pair_bytes expected (exact summed over ranks routing equal tokens); the backward passes as
-    # many again; the exchange of the counts (8 B x the layer's E experts) is not included
-
-
-def expert_exchange(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> ExpertExchange:
-    """The token exchange of the largest MoE layer of ``model`` (a real one or ``model_on_meta``) for ``tokens``
-    tokens of this rank in ``dtype``: the experts' input width (``hidden_dim`` of its
-    ``parallel.experts.dispatched_experts``) and the config's ``num_experts_per_tok``. UnsupportedModelError for a
-    model without an expert-parallel plan."""
-    width = max(module.hidden_dim for _, module in parallel_experts.dispatched_experts(model))
-    pairs = tokens * base_model(model).config.get_text_config().num_experts_per_tok
-    pair_bytes = pairs * width * dtype.itemsize
-    return ExpertExchange(pair_bytes=pair_bytes, transient_bytes=2 * pair_bytes, collective_bytes=2 * pair_bytes)
-
-
-@dataclass(frozen=True)
-class Lora:
-    """veRL's LoRA settings (``actor_rollout_ref.model.lora_rank``, ``target_modules``): 0 = no LoRA."""
-
-    rank: int = 0
-    target_modules: str | tuple[str, ...] = "all-linear"
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` as veRL builds it for these settings: peft's ``get_peft_model`` with LoRA adapters of ``rank``
-        on ``target_modules``, the base frozen (on the device ``model``'s parameters are on: the meta device for an
-        estimate or a dry run); ``model`` itself when ``rank`` is 0."""
-        if self.rank == 0:
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        device = next(model.parameters()).device
-        with torch.device(device):
-            return get_peft_model(model, LoraConfig(r=self.rank, target_modules=self.target_modules))
-
-
-@dataclass(frozen=True)
-class Training:
-    """What one training step runs on each rank (a recipe's knobs): GRPO groups of ``group_size`` responses of
-    at most ``response_len`` tokens to a ``prompt_len``-token prompt; LongStraw's ``chunk_size``,
-    ``prompt_grad``, ``cp_size`` (context_parallel_size R = the FSDP shard group) and ``state_grad_on_host``;
-    veRL's FSDP2 settings: ``offload_policy`` (parameter and gradient shards and the optimizer step on
-    the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
-    ``reduce_dtype``, ``model_dtype`` (the dtype the model is loaded in: the sharded parameters', their gradients'
-    and moments'), and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
-    (the replay batch's token budget) and ``expert_parallel`` (the routed experts split over the CP group,
-    resident in ``model_dtype`` outside FSDP2: ``parallel.experts``); ``lora``: veRL's LoRA settings (the base
-    frozen: gradients and AdamW moments of the adapters only, the reference policy the actor with its adapters
-    disabled)."""
-
-    prompt_len: int
-    group_size: int
-    response_len: int
-    chunk_size: int | None
-    prompt_grad: str
-    cp_size: int
-    state_grad_on_host: bool
-    offload_policy: bool
-    optimizer_offload: bool
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype = torch.float32
-    checkpointing: bool = True
-    replay_tokens: int = REPLAY_TOKENS
-    lora: Lora = Lora()
-    model_dtype: torch.dtype = torch.float32
-    expert_parallel: bool = False
-    response_chunk_size: int | None = None
-
-
-VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
-VERL_DTYPES = {name: dtype for dtype, name in VERL_DTYPE_NAMES.items()}
-
-
-def recipe_training(cfg) -> Training:
-    """The ``Training`` knobs of a composed veRL config (``configs.compose_recipe``: an omegaconf ``DictConfig``):
-    lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s offload, dtypes and mixed precision, gradient
-    checkpointing, veRL's LoRA settings."""
-    actor, model = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
-    knobs, fsdp = actor.longstraw, actor.fsdp_config
-    targets = model.get("target_modules", "all-linear")
-    return Training(
-        prompt_len=cfg.data.max_prompt_length, group_size=cfg.actor_rollout_ref.rollout.n,
-        response_len=cfg.data.max_response_length, chunk_size=knobs.chunk_size, prompt_grad=knobs.prompt_grad,
-        cp_size=knobs.context_parallel_size, state_grad_on_host=knobs.state_grad_on_host,
-        offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
-        param_dtype=VERL_DTYPES[fsdp.mixed_precision.param_dtype],
-        reduce_dtype=VERL_DTYPES[fsdp.mixed_precision.reduce_dtype],
-        checkpointing=model.enable_gradient_checkpointing,
-        lora=Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets)),
-        model_dtype=VERL_DTYPES[fsdp.model_dtype], expert_parallel=knobs.get("expert_parallel", False),
-        response_chunk_size=knobs.get("response_chunk_size"),
-    )
-
-
-@dataclass(frozen=True)
-class GpuTable:
-    """Per-GPU memory of one training step on rank 0 of a CP group (the rank with the most rows), in bytes:
-    ``rows`` of (item, device bytes, host bytes); ``peak`` the device total at the group's peak,
-    ``preflight`` what the engine's pre-flight check compares with the device's free memory at the start of a
-    step: the group terms, the unsharded units and, under expert parallelism, the expert shards' gradients (the
-    resident shards are already outside the free memory); ``optimizer_step`` the device bytes at AdamW's step (after
-    the walks: ``gpu_table``)."""
-
-    rows: tuple[tuple[str, int, int], ...]
-    peak: int
-    host: int
-    preflight: int
-    gpu_bytes: int
-    gpus_per_node: int
-    optimizer_step: int = 0
-
-    def markdown(self) -> str:
-        """The rows as a markdown table in GiB (2 decimals), with the totals against the GPU's memory."""
-
-        def gib(n: int) -> str:
-            return f"{n / GIB:.2f}"
-
-        lines = ["| per GPU | device GiB | host GiB |", "|---|---:|---:|"]
-        lines += [f"| {item} | {gib(device)} | {gib(host)} |" for item, device, host in self.rows]
-        verdict = "fits" if self.peak <= self.gpu_bytes else "does NOT fit"
-        lines.append(f"| **total at the peak** (the rows above the prompt state, and the estimate's total: the state, "
-                     f"the gradients, saves less the state's views and transient of the peak's step, or a capture's "
-                     f"peak) | **{gib(self.peak)}** | **{gib(self.host)}** |")
-        lines.append(f"| GPU memory ({self.gpu_bytes / 1e9:g} GB): {verdict}, "
-                     f"{gib(abs(self.gpu_bytes - self.peak))} GiB {'left' if self.peak <= self.gpu_bytes else 'over'}"
-                     f" | {gib(self.gpu_bytes)} | |")
-        lines.append(f"| host memory per node ({self.gpus_per_node} ranks) | | {gib(self.host * self.gpus_per_node)} |")
-        lines.append(f"| engine pre-flight estimate: the group's rows, the unsharded units' rows and any expert-shard "
-                     f"gradients above, compared with the free device memory at the start of the step | "
-                     f"{gib(self.preflight)} | |")
-        return "\n".join(lines)
-
-
-def gpu_table(
-    config,
-    run: Training,
-    gpu_bytes: int,
-    gpus_per_node: int = 8,
-    adapter: Adapter | None = None,
-    params: ParameterCounts | None = None,
-) -> GpuTable:
-    """Per-GPU memory of ``run`` for ``config``'s model on GPUs of ``gpu_bytes``: the model terms of FSDP2
-    sharding over the R ranks of a CP group (``parameter_counts``), under ``run.expert_parallel`` of the routed
-    experts' resident shards (``expert_shard_bytes``) and FSDP2 over the rest, and the group terms of
-    ``estimate_memory`` (checkpointed when ``run.checkpointing``). ``adapter``/``params``:
-    ``adapters.adapter_on_meta(config)`` and ``parameter_counts(config)`` when already built. The unsharded-gradient
-    row is an upper bound (two units' gradients and their reduce-scatter copies at once). Not counted: the CUDA
-    context, NCCL buffers, allocator fragmentation and the no-grad capture's transients (the pre-flight row's
-    ``total_bytes`` counts them). ``optimizer_step``: at AdamW's step (torch's foreach implementation, which
-    DTensors take) the device holds the parameter and gradient shards of what trains, its two moments (those that
-    ``optimizer_offload`` keeps on the host come back for it, as veRL loads them) and one moment-sized temporary
-    (``_foreach_sqrt`` of the second moment), the frozen shards and the buffers beside them; none of it with
-    ``offload_policy``, whose step runs on the host, but for the expert shards (outside FSDP2) and the buffers."""
-    adapter = adapter if adapter is not None else adapter_on_meta(config)
-    n, r, ep = params if params is not None else parameter_counts(config, run.lora), run.cp_size, run.expert_parallel
-    dtype, width = VERL_DTYPE_NAMES[run.model_dtype], run.model_dtype.itemsize
-    fsdp_total = n.total - (n.expert_total if ep else 0)  # what FSDP2 shards
-    shard = width * n.shard(r, ep)  # rank 0's: about N / R (ceil per parameter)
-    trained_shard = width * n.trainable.shard(r, ep)
-    lora = run.lora.rank > 0
-    pair = n.largest_pair_without_experts if ep else n.largest_pair
-    unsharded, grads = unsharded_bytes(n, r, run.param_dtype, run.reduce_dtype, training=True, expert_parallel=ep)
-    experts = expert_shard_bytes(n, r, run.model_dtype) if ep else ExpertShardBytes(0, 0, 0)
-    e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
-                        run.param_dtype, adapter, r, run.state_grad_on_host, checkpointed=run.checkpointing,
-                        replay_tokens=run.replay_tokens, expert_parallel=ep,
-                        response_chunk_size=run.response_chunk_size)
-    preflight = e.total_bytes + unsharded + grads + experts.gradients  # the engine's pre-flight figure
-
-    def where(on_host: bool, nbytes: int) -> tuple[int, int]:
-        return (0, nbytes) if on_host else (nbytes, 0)
-
-    replay_peak = e.replay_saved_bytes >= e.prompt_backward_saved_bytes
-    replayed = (f"one {run.response_len}-token response" if e.replay_batch == 1
-                else f"a batch of {e.replay_batch} {run.response_len}-token responses")
-    segments = chain_bounds(0, run.response_len, run.response_chunk_size, run.cp_size)
-    if len(segments) > 1:  # the chain's last segment is the leaf replayed; the others are captured and recomputed
-        replayed = (f"the last {segments[-1][1] - segments[-1][0]} tokens of a {run.response_len}-token response "
-                    f"(response_chunk_size {run.response_chunk_size})")
-    mode = "checkpointed" if run.checkpointing else "no checkpointing"
-    sharded = "N_FSDP" if ep else "N"
-    if lora:
-        training_rows = (
-            (f"{dtype} gradient shards of the LoRA adapters: {width} B x N_LoRA / R (N_LoRA = "
-             f"{n.trainable.total / 1e6:.1f}e6, rank {run.lora.rank}; the base is frozen)",
-             *where(run.offload_policy, trained_shard)),
-            (f"AdamW moments of the LoRA adapters: {2 * width} B x N_LoRA / R",
-             *where(run.offload_policy or run.optimizer_offload, 2 * trained_shard)),
-            ("reference policy: the actor with its LoRA adapters disabled (no copy)", 0, 0),
-        )
-    else:
-        training_rows = (
-            (f"{dtype} gradient shards: {width} B x {sharded} / R", *where(run.offload_policy, shard)),
-            (f"AdamW moments: {2 * width} B x {sharded} / R",
-             *where(run.offload_policy or run.optimizer_offload, 2 * shard)),
-            ("reference model shards: 2 B x N / R (veRL keeps forward-only models on the host)", 0, 2 * n.total // r),
-        )
-    if not ep:
-        expert_rows = ()
-        parameters = f"N = {n.total / 1e9:.2f}e9 parameters, R = {r}"
-    else:
-        parameters = (f"N = {n.total / 1e9:.2f}e9 parameters, of which N_E = {n.expert_total / 1e9:.2f}e9 in routed "
-                      f"experts outside FSDP2: N_FSDP = {fsdp_total / 1e9:.2f}e9, R = {r}")
-        resident = (f"routed-expert shards (expert parallelism): {width} B x N_E / R in {dtype}, resident (E / R "
-                    "experts of each MoE layer)")
-        if n.trainable.expert_total:
-            expert_rows = (
-                (resident, experts.parameters, 0),
-                (f"their gradients: {width} B x N_E / R (each the whole group's)", experts.gradients, 0),
-                (f"AdamW moments of the expert shards: {2 * width} B x N_E / R",
-                 *where(run.optimizer_offload, experts.moments)),
-            )
-        else:
-            expert_rows = ((resident + "; frozen: no gradients or moments", experts.parameters, 0),)
-    rows = (
-        (f"{dtype} parameter shards: {width} B x {sharded} / R ({parameters})", *where(run.offload_policy, shard)),
-        *training_rows,
-        *expert_rows,
-        (f"unsharded parameters: two consecutive FSDP units{' less their routed experts' if ep else ''} "
-         f"({pair / 1e9:.2f}e9 parameters) in {str(run.param_dtype)[6:]}", unsharded, 0),
-        (f"their unsharded gradients ({str(run.param_dtype)[6:]}, reduce-scattered in {str(run.reduce_dtype)[6:]})",
-         grads, 0),
-        (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
-         f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),
-        ("float32 state-gradient sums" + (" (state_grad_on_host: pinned, with a staging buffer of the largest state "
-                                          "tensor)" if run.state_grad_on_host else ""),
-         e.device_state_grad_bytes, e.host_bytes),
-        ("state gradients one layer's backward hands its state (model dtype)" + (
-            ", and the one whose copy to the host is in flight" if run.state_grad_on_host else ""),
-         e.state_leaf_grad_bytes + e.in_flight_bytes, 0),
-        ("transient of the peak's moment beyond its saves: the scoring's row chunks and head-gradient sum, or one "
-         "layer's backward (its attention's fused backward: key blocks, GQA expansion, float32 dq; its MLP's; "
-         "pass-Q's float32 scores of one key block" + (
-             f"; an MoE layer's all-to-all of {e.layer_call_tokens} tokens, send and receive: "
-             f"{e.all_to_all_bytes / GIB:.2f}" if ep else "") + ")", e.backward_peak_transient_bytes or 0, 0),
-        (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
-         f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
-         e.replay_saved_bytes, 0),
-        (f"saved for backward, recompute of one {run.chunk_size}-token prompt chunk ({mode}; pass-Q "
-         f"{0 if replay_peak else e.pass_q_bytes / GIB:.2f})" + ("" if replay_peak else " <- peak"),
-         e.prompt_backward_saved_bytes, 0),
-    )
-    group_rows = 6  # the state ... recompute rows: the estimate's terms, whose peak is ``e.total_bytes``
-    peak = sum(device for _, device, _ in rows[:-group_rows]) + e.total_bytes
-    host = sum(h for _, _, h in rows)
-    fsdp_step = 0 if run.offload_policy else shard + 4 * trained_shard  # gradients, two moments, a temporary
-    optimizer_step = fsdp_step + experts.parameters + 4 * experts.gradients + n.buffer_bytes
-    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step)

@@ -1,4 +1,4 @@
-"""Per-GPU memory tables of the cluster recipes, printed from ``verl_longstraw.estimate``: the tables in
+"""Per-GPU memory tables of the cluster recipes, printed from ``verl_longstraw.gpu_table``: the tables in
 recipes/clusters/*/README.md are this script's output, and tests/integration/test_cluster_recipes.py
 checks that they still are.
 
@@ -35,16 +35,9 @@ from omegaconf import DictConfig
 
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.configs import compose_recipe
-from verl_longstraw.estimate import (
-    GIB,
-    VERL_DTYPE_NAMES,
-    GpuTable,
-    Lora,
-    Training,
-    gpu_table,
-    parameter_counts,
-    recipe_training,
-)
+from verl_longstraw.estimate import GIB
+from verl_longstraw.gpu_table import GpuTable, gpu_table
+from verl_longstraw.model_terms import VERL_DTYPE_NAMES, Lora, Training, parameter_counts, recipe_training
 from verl_longstraw.models import CONFIGS
 
 CLUSTERS = Path(__file__).resolve().parent
@@ -129,6 +122,28 @@ def memory(name: str, cfg: DictConfig, model: str, gpu_bytes: float | None = Non
                      _parameters(model, run.lora))
 
 
+def markdown(table: GpuTable) -> str:
+    """``table``'s rows as a markdown table in GiB (2 decimals), with the totals against the GPU's memory."""
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.2f}"
+
+    lines = ["| per GPU | device GiB | host GiB |", "|---|---:|---:|"]
+    lines += [f"| {item} | {gib(device)} | {gib(host)} |" for item, device, host in table.rows]
+    verdict = "fits" if table.peak <= table.gpu_bytes else "does NOT fit"
+    lines.append(f"| **total at the peak** (the rows above the prompt state, and the estimate's total: the state, "
+                 f"the gradients, saves less the state's views and transient of the peak's step, or a capture's "
+                 f"peak) | **{gib(table.peak)}** | **{gib(table.host)}** |")
+    lines.append(f"| GPU memory ({table.gpu_bytes / 1e9:g} GB): {verdict}, "
+                 f"{gib(abs(table.gpu_bytes - table.peak))} GiB {'left' if table.peak <= table.gpu_bytes else 'over'}"
+                 f" | {gib(table.gpu_bytes)} | |")
+    lines.append(f"| host memory per node ({table.gpus_per_node} ranks) | | {gib(table.host * table.gpus_per_node)} |")
+    lines.append(f"| engine pre-flight estimate: the group's rows, the unsharded units' rows and any expert-shard "
+                 f"gradients above, compared with the free device memory at the start of the step | "
+                 f"{gib(table.preflight)} | |")
+    return "\n".join(lines)
+
+
 def describe(run: Training) -> str:
     """The knobs of ``run`` in one line."""
     return (f"P = {run.prompt_len} prompt tokens, G = {run.group_size} responses of T = {run.response_len}, "
@@ -150,7 +165,7 @@ def table(name: str, model: str | None = None, gpu_gb: float | None = None) -> s
     gpu_bytes = gpu_gb * 1e9 if gpu_gb else GPU_BYTES[name]
     nodes = f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node} GPUs of {gpu_bytes / 1e9:g} GB"
     knobs = describe(recipe_training(cfg))
-    return f"{model} ({name}, {nodes}): {knobs}.\n\n{memory(name, cfg, model, gpu_bytes).markdown()}"
+    return f"{model} ({name}, {nodes}): {knobs}.\n\n{markdown(memory(name, cfg, model, gpu_bytes))}"
 
 
 def sweep(name: str, model: str | None = None, gpu_gb: float | None = None) -> str:

@@ -6,7 +6,7 @@ passes veRL's validate_config with its own GPU counts, converts to veRL's datacl
   dry with a stand-in interpreter, compose to the same overlay and node count. Composed and validated, never
   run (no GPU cluster); validate_config reads no model files, so the model path is a placeholder.
 - the per-GPU memory tables in recipes/clusters/*/README.md: each block is recomputed from
-  verl_longstraw.estimate (recipes/clusters/memory_table.py) and must match the README text exactly.
+  verl_longstraw.gpu_table (recipes/clusters/memory_table.py) and must match the README text exactly.
 - the CPU main job (recipes/kv_retrieval/run.sh), composed from the exact command line the script runs
   (its DRY_RUN mode), for both strategies: longstraw on longstraw_grpo, fsdp2 on veRL's ppo_trainer.
 """
@@ -236,7 +236,7 @@ def _memory_table():
 
 def test_readme_memory_tables_match_the_estimate():
     """Every table block in recipes/clusters/*/README.md is what memory_table.py prints now (from
-    verl_longstraw.estimate), character for character; every cluster recipe has its table, the GLM-5 recipe
+    verl_longstraw.gpu_table), character for character; every cluster recipe has its table, the GLM-5 recipe
     one on GLM-5.2's dims (the DSA indexer on 21 of 78 layers), GLM-5.2's and Qwen3.5-122B's EP recipes one on
     141 GB GPUs too."""
     memory_table = _memory_table()
@@ -260,11 +260,11 @@ def test_readme_memory_tables_match_the_estimate():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_counts_are_verls_fsdp2_units(tied):
-    """estimate.parameter_counts (the tables' model rows) counts the units veRL's FSDP2 wrapping selects, in
+    """model_terms.parameter_counts (the tables' model rows) counts the units veRL's FSDP2 wrapping selects, in
     forward order, and the rest as the root's."""
     from verl.utils.fsdp_utils import _select_fsdp2_wrap_targets
 
-    from verl_longstraw.estimate import parameter_counts
+    from verl_longstraw.model_terms import parameter_counts
     from verl_longstraw.tiny import tiny_model
 
     model = tiny_model("qwen3_5", tie_word_embeddings=tied)

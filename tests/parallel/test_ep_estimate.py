@@ -15,9 +15,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verl_longstraw import Knobs, group_backward, group_log_probs
-from verl_longstraw.estimate import (
+from verl_longstraw.estimate import estimate_memory
+from verl_longstraw.model_terms import (
     count_units,
-    estimate_memory,
     expert_exchange,
     expert_shard_bytes,
     parameter_counts,
@@ -37,7 +37,7 @@ MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.floa
 
 
 def _fsdp_units(model) -> list[torch.nn.Module]:
-    """The units veRL's FSDP2 wrapping shards on their own, as ``estimate.count_units`` counts them."""
+    """The units veRL's FSDP2 wrapping shards on their own, as ``model_terms.count_units`` counts them."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     return [embed, *model.get_decoder().layers, head] if head.weight is not embed.weight else [
         *model.get_decoder().layers]

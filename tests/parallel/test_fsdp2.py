@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl_longstraw.estimate import Lora
+from verl_longstraw.model_terms import Lora
 from verl_longstraw.parallel.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings, verl_wrap_targets
 from verl_longstraw.parallel.launch import free_port
 from verl_longstraw.tiny import tiny_config

@@ -42,15 +42,8 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from verl_longstraw import GroupResult, GroupStats, tree_backward, tree_log_probs
 from verl_longstraw.adapters import Adapter, adapter_for, model_on_meta
-from verl_longstraw.estimate import (
-    GIB,
-    MemoryEstimate,
-    ParameterCounts,
-    count_units,
-    estimate_plan,
-    expert_shard_bytes,
-    unsharded_bytes,
-)
+from verl_longstraw.estimate import GIB, MemoryEstimate, estimate_plan
+from verl_longstraw.model_terms import ParameterCounts, count_units, expert_shard_bytes, unsharded_bytes
 from verl_longstraw.parallel import comm, experts
 from verl_longstraw.parallel.fsdp2 import average_over_replicas, held_unsharded, sync_gradients
 from verl_longstraw.plan import Plan, tree_plan

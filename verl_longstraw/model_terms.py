@@ -1,0 +1,266 @@
+"""The model terms of a training step's memory: what veRL's FSDP2 (and, under expert parallelism, the routed experts'
+shards) costs one rank of a context-parallel (CP) group of R ranks, besides the walk's own bytes
+(``estimate``: the group terms).
+
+- ``parameter_counts`` / ``count_units``: a model's parameters by the units veRL's FSDP2 wrapping shards on their own
+  (``ParameterCounts``: per unit, those of its routed experts, those that train under LoRA, each parameter's dim 0
+  for FSDP2's per-parameter split, the buffers' bytes), read off a model built on the meta device or a live one;
+- ``unsharded_bytes``: the parameter and gradient bytes FSDP2 holds unsharded at once during a step;
+- ``expert_shard_bytes``: the routed-expert shards a rank keeps resident under expert parallelism (parameters,
+  gradients, AdamW moments; ``ExpertShardBytes``); ``expert_exchange``: one MoE-layer call's token all-to-all
+  (``ExpertExchange``), which the walk estimate counts per token as a transient;
+- ``Lora``: veRL's LoRA settings and the one peft construction (``Lora.wrap``) the counts, the dry run and the tests
+  read; ``Training``: the knobs of one training step (lengths, LongStraw's and veRL's FSDP2 settings, LoRA), read
+  off a composed recipe by ``recipe_training`` (``VERL_DTYPES``: veRL's dtype names).
+
+All figures are bytes (or parameter counts, where named so). ``gpu_table`` adds these to the walk estimate for the
+per-GPU figures of a step; the engine's pre-flight check reads ``count_units``, ``unsharded_bytes`` and
+``expert_shard_bytes`` of its live model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .adapters import model_on_meta
+from .errors import UnsupportedModelError
+from .knobs import REPLAY_TOKENS
+from .lora import base_model
+from .parallel import experts as parallel_experts
+
+
+def _largest_pair(units: Sequence[int]) -> int:
+    """The most of two consecutive ``units`` (all of them when there are fewer than two)."""
+    return max((a + b for a, b in zip(units[:-1], units[1:], strict=True)), default=sum(units))
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
+    (``verl.utils.fsdp_utils.apply_fsdp2``), in the order a forward runs them: the input embedding, each
+    decoder layer, the lm_head (embedding and lm_head are units only when untied); ``root``: the rest
+    (e.g. the final norm), sharded with the root module. ``experts``: of each unit's parameters, those of its routed
+    experts (``parallel.experts.dispatched_experts``: what expert parallelism splits over the CP group and keeps
+    out of FSDP2; 0 for a dense unit). ``trains``: the same counts of the parameters that get gradients and
+    optimizer state (a LoRA model's adapters; None: every parameter)."""
+
+    units: tuple[int, ...]
+    root: int
+    experts: tuple[int, ...]
+    trains: ParameterCounts | None = None
+    dims: tuple[tuple[int, int, bool], ...] = ()  # each parameter's (dim 0, elements per dim-0 row, a routed expert's)
+    buffer_bytes: int = 0  # the model's buffers (rotary tables), which every rank holds whole on the device
+
+    def shard(self, cp_size: int, expert_parallel: bool) -> int:
+        """The parameters rank 0 of ``cp_size`` holds as FSDP2 shards: FSDP2 splits each parameter on dim 0, rank 0
+        taking ceil(dim 0 / R) rows (a [1, 4096] gate: all of it); the routed experts are outside FSDP2 under
+        ``expert_parallel``."""
+        return sum(-(-rows // cp_size) * row for rows, row, routed in self.dims if not (routed and expert_parallel))
+
+    @property
+    def total(self) -> int:
+        return sum(self.units) + self.root
+
+    @property
+    def expert_total(self) -> int:
+        """The routed experts' parameters, all MoE layers."""
+        return sum(self.experts)
+
+    @property
+    def trainable(self) -> ParameterCounts:
+        """The counts of the parameters that train."""
+        return self.trains if self.trains is not None else self
+
+    @property
+    def largest_pair(self) -> int:
+        """The most parameters of two consecutive units: FSDP2 unsharding the running unit and the next."""
+        return _largest_pair(self.units)
+
+    @property
+    def largest_pair_without_experts(self) -> int:
+        """The most parameters of two consecutive units less their routed experts: what FSDP2 unshards at once
+        under expert parallelism (the experts stay resident shards)."""
+        return _largest_pair([unit - experts for unit, experts in zip(self.units, self.experts, strict=True)])
+
+
+def parameter_counts(config, lora: Lora | None = None) -> ParameterCounts:
+    """``config``'s model, built on the meta device (no weights, no memory), counted by FSDP2 unit; under
+    ``lora`` as veRL builds it (peft's ``get_peft_model``, the base frozen)."""
+    return count_units((lora or Lora()).wrap(model_on_meta(config)))
+
+
+def count_units(model: torch.nn.Module) -> ParameterCounts:
+    """A causal LM's parameters by FSDP2 unit (full counts also when ``fully_shard`` or expert parallelism made them
+    DTensors), those of its routed experts (``parallel.experts.dispatched_experts``; none for a model without an
+    expert-parallel plan), and (``trains``) those that require gradients where some do not (a LoRA model)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is not None and head.weight is not embed.weight
+    modules = [embed, *model.get_decoder().layers, head] if untied else list(model.get_decoder().layers)
+    try:
+        routed = {p for _, module in parallel_experts.dispatched_experts(model) for p in module.parameters()}
+    except UnsupportedModelError:  # no expert-parallel plan: every parameter is FSDP2's
+        routed = set()
+
+    def counts(which, trains: ParameterCounts | None = None) -> ParameterCounts:
+        units = tuple(sum(p.numel() for p in m.parameters() if which(p)) for m in modules)
+        experts = tuple(sum(p.numel() for p in m.parameters() if which(p) and p in routed) for m in modules)
+        dims = tuple((p.shape[0] if p.dim() else 1, p.numel() // max(p.shape[0] if p.dim() else 1, 1), p in routed)
+                     for p in model.parameters() if which(p))
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        return ParameterCounts(units, sum(p.numel() for p in model.parameters() if which(p)) - sum(units), experts,
+                               trains, dims, buffers)
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return counts(lambda p: True, counts(lambda p: p.requires_grad) if frozen else None)
+
+
+def unsharded_bytes(
+    params: ParameterCounts,
+    cp_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    training: bool,
+    expert_parallel: bool = False,
+) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) a rank holds unsharded at once during a step: two consecutive FSDP2
+    units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
+    ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch); with ``expert_parallel`` the two units
+    less their routed experts (``ParameterCounts.largest_pair_without_experts``; the experts' shards are resident,
+    ``expert_shard_bytes``). Gradients (``training``) of the parameters that train (``ParameterCounts.trainable``) in
+    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
+    if expert_parallel and cp_size < 2:
+        raise ValueError(f"expert_parallel splits the experts over the CP group: cp_size must be > 1, got {cp_size}")
+
+    def held(counts: ParameterCounts) -> int:
+        if expert_parallel:
+            return counts.largest_pair_without_experts
+        return counts.largest_pair if cp_size > 1 else counts.total
+
+    reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
+    trained = held(params.trainable)  # LoRA: the adapters
+    return held(params) * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
+
+
+class ExpertShardBytes(NamedTuple):
+    """Bytes of the routed-expert shards one rank of a CP group of R holds under expert parallelism: E / R experts of
+    every MoE layer, DTensors outside FSDP2 in their own dtype (the model's: veRL's ``fsdp_config.model_dtype``)."""
+
+    parameters: int  # resident: 1/R of the routed experts' parameters
+    gradients: int  # of those that train: from a step's first backward until the optimizer step (each the whole
+    # group's gradient of the rank's experts)
+    moments: int  # AdamW's exp_avg and exp_avg_sq of those that train, in the same dtype
+
+
+def expert_shard_bytes(params: ParameterCounts, cp_size: int, dtype: torch.dtype) -> ExpertShardBytes:
+    """The routed-expert shards (``ParameterCounts.experts``) of one of ``cp_size`` ranks in ``dtype``: each MoE
+    layer's experts divide evenly over the ranks (``parallel.experts.check_expert_parallel`` requires it)."""
+    shard = sum(experts // cp_size for experts in params.experts) * dtype.itemsize
+    trained = sum(experts // cp_size for experts in params.trainable.experts) * dtype.itemsize
+    return ExpertShardBytes(parameters=shard, gradients=trained, moments=2 * trained)
+
+
+class ExpertExchange(NamedTuple):
+    """One MoE-layer call's token exchange on one rank under expert parallelism (transformers'
+    ``EpDispatchExpertsParallel``: the rank's tokens go to their ``top_k`` experts' owners by all-to-all, one hidden
+    vector per (token, top-k slot) pair, and the experts' outputs come back the same way), in bytes."""
+
+    pair_bytes: int  # [tokens x top_k, hidden] in the model dtype: the pairs this rank dispatches (exact whatever the
+    # routing); with balanced routing also the pairs it receives, the outputs it returns and those it gets back
+    transient_bytes: int  # the dispatch's send and receive buffers held at once: 2 x pair_bytes with balanced routing
+    # (a rank that receives every pair of the group's R ranks holds (R + 1) x pair_bytes)
+    collective_bytes: int  # the tensors passed to the token all-to-alls in the call's forward, dispatched pairs and
+    # returned outputs: 2 x pair_bytes expected (exact summed over ranks routing equal tokens); the backward passes as
+    # many again; the exchange of the counts (8 B x the layer's E experts) is not included
+
+
+def expert_exchange(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> ExpertExchange:
+    """The token exchange of the largest MoE layer of ``model`` (a real one or ``model_on_meta``) for ``tokens``
+    tokens of this rank in ``dtype``: the experts' input width (``hidden_dim`` of its
+    ``parallel.experts.dispatched_experts``) and the config's ``num_experts_per_tok``. UnsupportedModelError for a
+    model without an expert-parallel plan."""
+    width = max(module.hidden_dim for _, module in parallel_experts.dispatched_experts(model))
+    pairs = tokens * base_model(model).config.get_text_config().num_experts_per_tok
+    pair_bytes = pairs * width * dtype.itemsize
+    return ExpertExchange(pair_bytes=pair_bytes, transient_bytes=2 * pair_bytes, collective_bytes=2 * pair_bytes)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """veRL's LoRA settings (``actor_rollout_ref.model.lora_rank``, ``target_modules``): 0 = no LoRA."""
+
+    rank: int = 0
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as veRL builds it for these settings: peft's ``get_peft_model`` with LoRA adapters of ``rank``
+        on ``target_modules``, the base frozen (on the device ``model``'s parameters are on: the meta device for an
+        estimate or a dry run); ``model`` itself when ``rank`` is 0."""
+        if self.rank == 0:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        device = next(model.parameters()).device
+        with torch.device(device):
+            return get_peft_model(model, LoraConfig(r=self.rank, target_modules=self.target_modules))
+
+
+@dataclass(frozen=True)
+class Training:
+    """What one training step runs on each rank (a recipe's knobs): GRPO groups of ``group_size`` responses of
+    at most ``response_len`` tokens to a ``prompt_len``-token prompt; LongStraw's ``chunk_size``,
+    ``prompt_grad``, ``cp_size`` (context_parallel_size R = the FSDP shard group) and ``state_grad_on_host``;
+    veRL's FSDP2 settings: ``offload_policy`` (parameter and gradient shards and the optimizer step on
+    the host), ``optimizer_offload`` (AdamW moments on the host), the mixed-precision ``param_dtype`` and
+    ``reduce_dtype``, ``model_dtype`` (the dtype the model is loaded in: the sharded parameters', their gradients'
+    and moments'), and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
+    (the replay batch's token budget) and ``expert_parallel`` (the routed experts split over the CP group,
+    resident in ``model_dtype`` outside FSDP2: ``parallel.experts``); ``lora``: veRL's LoRA settings (the base
+    frozen: gradients and AdamW moments of the adapters only, the reference policy the actor with its adapters
+    disabled)."""
+
+    prompt_len: int
+    group_size: int
+    response_len: int
+    chunk_size: int | None
+    prompt_grad: str
+    cp_size: int
+    state_grad_on_host: bool
+    offload_policy: bool
+    optimizer_offload: bool
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    checkpointing: bool = True
+    replay_tokens: int = REPLAY_TOKENS
+    lora: Lora = Lora()
+    model_dtype: torch.dtype = torch.float32
+    expert_parallel: bool = False
+    response_chunk_size: int | None = None
+
+
+VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
+VERL_DTYPES = {name: dtype for dtype, name in VERL_DTYPE_NAMES.items()}
+
+
+def recipe_training(cfg) -> Training:
+    """The ``Training`` knobs of a composed veRL config (``configs.compose_recipe``: an omegaconf ``DictConfig``):
+    lengths, ``rollout.n``, ``actor.longstraw.*``, ``fsdp_config``'s offload, dtypes and mixed precision, gradient
+    checkpointing, veRL's LoRA settings."""
+    actor, model = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
+    knobs, fsdp = actor.longstraw, actor.fsdp_config
+    targets = model.get("target_modules", "all-linear")
+    return Training(
+        prompt_len=cfg.data.max_prompt_length, group_size=cfg.actor_rollout_ref.rollout.n,
+        response_len=cfg.data.max_response_length, chunk_size=knobs.chunk_size, prompt_grad=knobs.prompt_grad,
+        cp_size=knobs.context_parallel_size, state_grad_on_host=knobs.state_grad_on_host,
+        offload_policy=fsdp.offload_policy, optimizer_offload=fsdp.optimizer_offload,
+        param_dtype=VERL_DTYPES[fsdp.mixed_precision.param_dtype],
+        reduce_dtype=VERL_DTYPES[fsdp.mixed_precision.reduce_dtype],
+        checkpointing=model.enable_gradient_checkpointing,
+        lora=Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets)),
+        model_dtype=VERL_DTYPES[fsdp.model_dtype], expert_parallel=knobs.get("expert_parallel", False),
+        response_chunk_size=knobs.get("response_chunk_size"),
+    )
