@@ -30,7 +30,7 @@ the config); a flag given beside it replaces that knob.
 A progress line on stderr counts the walk steps of the plan (built once, read by both walks and the count).
 
 LoRA (``--lora-rank``, ``--lora-targets``; a recipe's ``lora_rank``) wraps the model as veRL does
-(``estimate.Lora.wrap``: peft, the base frozen): only the adapters' gradients are made. Expert parallelism
+(``model_terms.Lora.wrap``: peft, the base frozen): only the adapters' gradients are made. Expert parallelism
 (``--expert-parallel``; a recipe's ``longstraw.expert_parallel``) splits the routed experts over the fake CP group
 as the engine does (``parallel.experts.apply_expert_parallel``: E / R per rank, tokens exchanged by transformers'
 all-to-all, whose bytes each phase reports). Its one host sync per MoE layer, the per-rank split sizes, reads
@@ -43,7 +43,7 @@ receiving S times their share from every rank. Without expert parallelism MoE la
 sharded over the CP group as veRL wraps it (``parallel.fsdp2.shard_as_verl``: decoder layers, embedding and lm_head
 units, mixed precision, ``offload_policy``; the routed experts outside FSDP2 under expert parallelism), the AdamW
 moments a previous step left on the device, the walks, then AdamW's step; every device byte counts and the per-GPU
-table (``estimate.gpu_table``) stands beside it. FSDP2's all-gathers and reduce-scatters are not traced per phase
+table (``gpu_table.gpu_table``) stands beside it. FSDP2's all-gathers and reduce-scatters are not traced per phase
 (the collective column is the CP walk's), and veRL's gradient clipping (a host read of the norm) is left out.
 
 Not in this dry run (yet): prefix trees.
@@ -134,7 +134,7 @@ class Step:
 
     @property
     def training(self) -> Training:
-        """The step as the per-GPU table (``estimate.gpu_table``) reads it."""
+        """The step as the per-GPU table (``gpu_table.gpu_table``) reads it."""
         return Training(self.prompt_len, self.group_size, self.response_len, self.chunk_size, self.prompt_grad,
                         self.cp_size, self.state_grad_on_host, self.offload_policy, self.optimizer_offload,
                         param_dtype=self.dtype, reduce_dtype=self.reduce_dtype, checkpointing=self.checkpointed,
@@ -347,7 +347,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         names = {param: name for name, param in model.named_parameters()}
         trains = [p for p in model.parameters() if p.requires_grad]
 
-        def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (estimate.Training's), not the walk's
+        def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (model_terms.Training's), not the walk's
             gradients.add(device_bytes.serial(_local(param.grad)))
             measured.trained.add(names[param])
             param.grad = None
@@ -490,7 +490,7 @@ def _made_by(made_by: tuple | None) -> str:
 
 
 def recipe_step(name: str) -> Step:
-    """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``estimate.recipe_training``): its
+    """The step of rank 0 in recipe ``name`` (``configs.compose_recipe``, ``model_terms.recipe_training``): its
     lengths, LongStraw knobs, checkpointing, LoRA, expert parallelism and FSDP2 settings, the whole step (FSDP2)."""
     from .configs import compose_recipe
 

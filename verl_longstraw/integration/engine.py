@@ -216,7 +216,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
     def _preflight(self, candidates: list[Callable[[], list[Tree]]], forward_only: bool) -> tuple[list[Tree], int]:
         """The units this rank walks, and its step's estimated device bytes (``preflight.choose_units``): the
         largest unit's estimate (`estimate_plan` of the unit's plan, crediting veRL's gradient checkpointing when
-        it is on) plus the parameters and gradients it holds unsharded (`estimate.unsharded_bytes`), against
+        it is on) plus the parameters and gradients it holds unsharded (`model_terms.unsharded_bytes`), against
         `longstraw.memory_budget_gb` or the device's free memory (no check without `longstraw.preflight`).
         ``candidates``: ``_walk_units``'s."""
         reduce_dtype = PrecisionType.to_dtype((self.engine_config.mixed_precision or {}).get("reduce_dtype", "fp32"))
