@@ -347,7 +347,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         names = {param: name for name, param in model.named_parameters()}
         trains = [p for p in model.parameters() if p.requires_grad]
 
-        def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes (model_terms.Training's), not the walk's
+        def hand_over(param: torch.nn.Parameter) -> None:  # the optimizer's bytes, not the walk's
             gradients.add(device_bytes.serial(_local(param.grad)))
             measured.trained.add(names[param])
             param.grad = None
