@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from verl_longstraw import dryrun
-from verl_longstraw.configs import compose_recipe
 from verl_longstraw.estimate import GIB
 from verl_longstraw.gpu_table import gpu_table
 from verl_longstraw.model_terms import Lora, recipe_training
@@ -79,6 +78,8 @@ def test_the_command_line_reports_and_sets_its_status(capsys):
 
 def test_a_recipe_gives_the_steps_knobs_and_a_flag_replaces_one():
     pytest.importorskip("hydra")  # veRL's; the lent GPU machine's image has neither
+    from verl_longstraw.configs import compose_recipe  # installed from configs/ (not on a bare source path)
+
     args = ["--model", "Qwen3.5-27B", "--recipe", "qwen35_27b_1m"]
     parser_args = dryrun.parse_args([*args, "--chunk-size", "32768"])
     step = dryrun.step_of(parser_args)

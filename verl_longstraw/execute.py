@@ -125,7 +125,7 @@ def run_segment(
     the head module's call. Without it the last layer stops once its state is known (its output is never read).
     """
 
-    def forward() -> tuple[torch.Tensor | None, ...]:
+    def forward(ids: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h = adapter.embed(ids)
         ctx = adapter.context(h, start, split, group)
         layer_past = past or [tuple(kind.empty(h) for kind in kinds) for kinds in adapter.specs()]
@@ -148,7 +148,9 @@ def run_segment(
             log_probs, entropies = call_as(head, head_forward, adapter.final_hidden(h)[scoring.first :])
         return (log_probs, entropies, *states)
 
-    log_probs, entropies, *flat = call_as(adapter.model, forward)
+    # the ids go through the root's call: FSDP2's root pre-forward on CUDA (torch <= 2.11) fails on a call without
+    # inputs (``_to_kwargs`` returns no argument tuple for it)
+    log_probs, entropies, *flat = call_as(adapter.model, forward, ids)
     flat_iter = iter(flat)
     return SegmentOutput([tuple(next(flat_iter) for _ in kinds) for kinds in adapter.specs()], log_probs, entropies)
 
