@@ -177,6 +177,11 @@ class Measured:
     optimizer_bytes: int = 0
     seconds: float = 0.0
 
+    @property
+    def walk_peak_bytes(self) -> int:
+        """The most device bytes of any walk phase (the optimizer step's left out)."""
+        return max(b for phase, b in self.phase_bytes.items() if phase != OPTIMIZER_PHASE)
+
 
 def model_config(name_or_path: str, layers: int | None = None) -> transformers.PretrainedConfig:
     """The text config of a ``models.CONFIGS`` name or a config.json path; with ``layers`` the first ``layers``
@@ -458,7 +463,7 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
         verdict = (f"walk peak {measured.peak_bytes / GIB:.2f} GiB, estimate {predicted.total_bytes / GIB:.2f} GiB "
                    f"(estimate / dry run = {ratio:.3f})")
     else:
-        walk_peak = max(b for phase, b in measured.phase_bytes.items() if phase != OPTIMIZER_PHASE)
+        walk_peak = measured.walk_peak_bytes
         offload = (f"; offload_policy {step.offload_policy}, optimizer_offload {step.optimizer_offload}, model "
                    f"{str(step.model_dtype).removeprefix('torch.')}")
         verdict = (f"with FSDP2{offload}: walks' peak {walk_peak / GIB:.2f} GiB (shards, unsharded units, gradients, "
@@ -590,8 +595,7 @@ def bounds(measured: Measured, predicted: MemoryEstimate, table: GpuTable | None
     the walks' peak and the optimizer step's."""
     if table is None:
         return predicted.total_bytes >= measured.peak_bytes
-    walk_peak = max(b for phase, b in measured.phase_bytes.items() if phase != OPTIMIZER_PHASE)
-    return table.peak >= walk_peak and table.optimizer_step >= measured.optimizer_bytes
+    return table.peak >= measured.walk_peak_bytes and table.optimizer_step >= measured.optimizer_bytes
 
 
 if __name__ == "__main__":

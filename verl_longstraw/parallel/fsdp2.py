@@ -68,10 +68,9 @@ def shard_as_verl(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, 
     ``offload_policy``, the shards, their gradients and the optimizer step on pinned host memory. In place."""
     kwargs = {"mesh": mesh, "reshard_after_forward": True,
               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                cast_forward_inputs=True),
-              "offload_policy": CPUOffloadPolicy(pin_memory=True) if offload else None}
-    if kwargs["offload_policy"] is None:
-        del kwargs["offload_policy"]
+                                                cast_forward_inputs=True)}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for module in verl_wrap_targets(model):
         fully_shard(module, **kwargs)
     return fully_shard(model, **kwargs)
