@@ -59,7 +59,8 @@ def gpu_table(
     experts' resident shards (``expert_shard_bytes``) and FSDP2 over the rest, and the group terms of
     ``estimate_memory`` (checkpointed when ``run.checkpointing``). ``adapter``/``params``:
     ``adapters.adapter_on_meta(config)`` and ``parameter_counts(config)`` when already built. The unsharded-gradient
-    row is an upper bound (two units' gradients and their reduce-scatter copies at once). Not counted: the CUDA
+    row is the most FSDP2's backward holds at once (the largest unit's gradients and its reduce-scatter input,
+    ``model_terms.unsharded_bytes``). Not counted: the CUDA
     context, NCCL buffers, allocator fragmentation and the no-grad capture's transients (the pre-flight row's
     ``total_bytes`` counts them). ``optimizer_step``: at AdamW's step (torch's foreach implementation, which
     DTensors take) the device holds the parameter and gradient shards of what trains, its two moments (those that
@@ -133,7 +134,8 @@ def gpu_table(
         *expert_rows,
         (f"unsharded parameters: two consecutive FSDP units{' less their routed experts' if ep else ''} "
          f"({pair / 1e9:.2f}e9 parameters) in {str(run.param_dtype)[6:]}", unsharded, 0),
-        (f"their unsharded gradients ({str(run.param_dtype)[6:]}, reduce-scattered in {str(run.reduce_dtype)[6:]})",
+        (f"unsharded gradients ({str(run.param_dtype)[6:]}) of the largest unit"
+         f"{' less its routed experts' if ep else ''} and their {str(run.reduce_dtype)[6:]} reduce-scatter input",
          grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
          f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),

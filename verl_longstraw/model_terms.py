@@ -38,6 +38,17 @@ def _largest_pair(units: Sequence[int]) -> int:
     return max((a + b for a, b in zip(units[:-1], units[1:], strict=True)), default=sum(units))
 
 
+def _gradient_peak(units: Sequence[int], grad_width: int, reduce_width: int) -> int:
+    """The most bytes of unsharded gradients and reduce-scatter inputs FSDP2 holds at once in one backward over
+    ``units`` (parameter counts). At a unit's post-backward FSDP2 drops the input it kept of the unit before (after
+    waiting on its collective), allocates this unit's input (``reduce_width`` B per parameter) and copies the
+    gradients (``grad_width`` B each) in before freeing them; while the next unit's gradients grow it keeps this
+    input (torch.distributed.fsdp._fully_shard: ``FSDPParamGroup.post_backward``, ``foreach_reduce``; torch
+    2.11-2.13). A kept input beside a smaller unit's gradients is less than its own unit's copy-in moment, so the
+    peak is that moment of the largest unit: (``grad_width`` + ``reduce_width``) x max(``units``)."""
+    return (grad_width + reduce_width) * max(units, default=0)
+
+
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameters of a model by the units veRL's FSDP2 wrapping shards on their own
@@ -130,8 +141,10 @@ def unsharded_bytes(
     units with context parallelism (``cp_size`` > 1: unsharded layer by layer), the whole model with
     ``cp_size`` 1 (the engine holds every unit unsharded for a micro-batch); with ``expert_parallel`` the two units
     less their routed experts (``ParameterCounts.largest_pair_without_experts``; the experts' shards are resident,
-    ``expert_shard_bytes``). Gradients (``training``) of the parameters that train (``ParameterCounts.trainable``) in
-    ``param_dtype`` plus their ``reduce_dtype`` copy for the reduce-scatter: an upper bound."""
+    ``expert_shard_bytes``). Gradients (``training``) of the parameters that train (``ParameterCounts.trainable``):
+    with ``cp_size`` > 1 the most that FSDP2's backward holds at once, unsharded in ``param_dtype`` beside the
+    ``reduce_dtype`` reduce-scatter inputs (``_gradient_peak``); with ``cp_size`` 1 every unit's gradient and, in
+    another ``reduce_dtype``, its copy (an upper bound)."""
     if expert_parallel and cp_size < 2:
         raise ValueError(f"expert_parallel splits the experts over the CP group: cp_size must be > 1, got {cp_size}")
 
@@ -140,9 +153,14 @@ def unsharded_bytes(
             return counts.largest_pair_without_experts
         return counts.largest_pair if cp_size > 1 else counts.total
 
-    reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
-    trained = held(params.trainable)  # LoRA: the adapters
-    return held(params) * param_dtype.itemsize, trained * (param_dtype.itemsize + reduce_copy) if training else 0
+    if not training:
+        return held(params) * param_dtype.itemsize, 0
+    trains = params.trainable  # LoRA: the adapters
+    if cp_size < 2:
+        reduce_copy = reduce_dtype.itemsize if reduce_dtype != param_dtype else 0
+        return held(params) * param_dtype.itemsize, trains.total * (param_dtype.itemsize + reduce_copy)
+    units = [u - e for u, e in zip(trains.units, trains.experts, strict=True)] if expert_parallel else trains.units
+    return held(params) * param_dtype.itemsize, _gradient_peak(units, param_dtype.itemsize, reduce_dtype.itemsize)
 
 
 class ExpertShardBytes(NamedTuple):

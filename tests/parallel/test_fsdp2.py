@@ -79,3 +79,33 @@ def test_the_dry_runs_wrap_targets_are_verls(family, tied, lora):
     ours = verl_wrap_targets(model)
     assert ours == fsdp_utils._select_fsdp2_wrap_targets(model, model._no_split_modules)
     assert len(ours) == config.num_hidden_layers + (0 if tied else 2)
+
+
+def test_the_backward_keeps_one_reduce_scatter_input_of_the_unit_before(model):
+    """``model_terms.unsharded_bytes``' gradient peak reads FSDP2's backward so: while a unit's gradients grow, the
+    reduce-scatter input of the unit whose backward ran before it is kept (one, in the reduce dtype, sized as that
+    unit's parameters), until this unit's post-backward drops it. Pinned on the installed torch (2.11 keeps it in
+    ``comm_ctx.reduce_scatter_state``, 2.13 in the list ``comm_ctx.reduce_scatter_states``)."""
+    kept: list[list[torch.Tensor]] = []
+
+    def inputs_kept(*_) -> None:
+        ctx = model._get_fsdp_state()._comm_ctx
+        states = getattr(ctx, "reduce_scatter_states", None)
+        states = states if states is not None else [s for s in [ctx.reduce_scatter_state] if s is not None]
+        kept.append([state.reduce_scatter_input for state in states])
+
+    model[0].register_full_backward_pre_hook(inputs_kept)  # the first layer's backward: the last unit to run
+    model(torch.randn(3, 4)).sum().backward()
+    (inputs,) = kept
+    second_unit = sum(p.numel() for p in model[1].parameters())
+    assert [(t.numel(), t.dtype) for t in inputs] == [(second_unit, torch.float32)]
+
+
+def test_the_gradient_peak_is_the_largest_units_copy_in():
+    """Units (10, 30, 20) in forward order: the backward runs 20, 30, 10. At each unit's copy-in its gradients (2 B
+    each) and its input (4 B each) exist; between, a unit's gradients grow beside the input kept of the one before
+    (20's beside nothing, 30's beside 20's, 10's beside 30's): counted by hand, the peak is 30's copy-in."""
+    from verl_longstraw.model_terms import _gradient_peak
+
+    moments = [6 * 20, 2 * 30 + 4 * 20, 6 * 30, 2 * 10 + 4 * 30, 6 * 10]
+    assert _gradient_peak([10, 30, 20], 2, 4) == max(moments) == 180
