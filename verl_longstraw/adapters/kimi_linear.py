@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..mixers import Kda, MixerOp
 from .base import Adapter, register
-from .mla import MultiHeadLatentAttentionAdapter
+from .deepseek import MultiHeadLatentAttentionAdapter
 
 
 @register
