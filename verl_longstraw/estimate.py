@@ -29,10 +29,12 @@ process):
   reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention`` count for the device kind
   ``device_type`` (``fused_backward_transient_bytes``, ``sharded_fused_backward_transient_bytes``). The peak counts
   each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_transient``): the scoring's
-  beside every save, a layer's MLP backward (``MLP_BACKWARD``) beside that layer's saves, its mixer's beside its
-  saves less its MLP half's; checkpointed, beside that one layer's saves only.
+  beside every save, a layer's feed-forward backward (``FeedForward.backward_transient_bytes``) beside that
+  layer's saves, its mixer's beside its saves less its feed-forward half's; checkpointed, beside that one layer's
+  saves only.
 - ``capture_peak_bytes``: the largest moment of a no-grad capture (``_Layers.capture_transient``: the rotary
-  tables, the state rows its layers returned so far, the hidden-wide tensors of one decoder layer's MLP half), beside
+  tables, the state rows its layers returned so far, the hidden-wide tensors of one decoder layer's feed-forward
+  half, ``FeedForward.forward_live_bytes``), beside
   the state stored before it (none before the first capture's write).
 ``total_bytes`` is what the rank's device holds at the peak, the larger of the backward steps' peak
 (``backward_bytes``) and the captures'; the backward peak is the step whose saves (less ``saved_state_bytes``: the
@@ -42,11 +44,13 @@ gradients held then are the most: every sum after the walk's first backward, dur
 
 The estimate is composition only: the sum over the plan's steps (``Plan.steps``) and the model's layers of what each
 layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
-of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norms and
-MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
-``SavedTensorMeter`` on CPU float32 models, the least certain term; it does not grow with P; in half precision the
-norms' float32 copies are added, measured from the model's own norm modules: ``mixers.base.upcast_row_bytes``), the
-state kinds' bytes, the scoring's chunks and the MoE exchange. At a real model's width and length the dry run
+of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norm
+before it (``feed_forward.NORM`` / 2 x hidden per token) and what its feed-forward op reports per token
+(``feed_forward.FeedForward``: its half of the layer's saves, its backward transient, its no-grad forward's live
+tensors and, under expert parallelism, its token exchange; calibrated against ``SavedTensorMeter`` on CPU float32
+models, the least certain term; it does not grow with P; in half precision the norms' float32 copies are added,
+measured from the model's own norm modules: ``mixers.base.upcast_row_bytes``), the state kinds' bytes and the
+scoring's chunks. At a real model's width and length the dry run
 (``verl_longstraw.dryrun``, fake CUDA tensors) is the reference it is checked against. ``adapters.adapter_on_meta``
 gives the ops of a config alone. ``preflight`` turns the estimate into an early, actionable error.
 
@@ -64,19 +68,14 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import Adapter, adapter_on_meta
+from .feed_forward import NORM, largest_exchange
 from .knobs import REPLAY_TOKENS, Knobs
 from .mixers import LayerCall, Saves, layer_needs_output
 from .mixers.base import upcast_row_bytes
-from .model_terms import expert_exchange
 from .plan import Plan, Step, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
-NORM = 8.0  # per-token saves of the two RMSNorms and residuals, in units of hidden
-MLP = 4.0  # gate, up, activation, product, in units of the intermediate width
-# the gated MLP's backward, besides its saves: d(product), then d(activation) and d(up) while the saves they read
-# are still held, in units of the intermediate width (its largest moment, seen in the dry run)
-MLP_BACKWARD = 2.0
 # ``score.score``: the LM head and log-softmax run a row chunk at a time; the graph saves the final hidden states
 # (counted per token) and the chunk's logits, float32 log-softmax and its exp are transient: 3 float32 chunks
 SCORE_TRANSIENT_CHUNKS = 3
@@ -123,7 +122,7 @@ class MemoryEstimate:
     layer_call_tokens: int = 0  # the most tokens this rank runs through one layer in one call of the walk (a captured
     # or recomputed chunk's own rows, a replay batch's padded tokens): what one MoE layer's token exchange carries
     all_to_all_bytes: int = 0  # expert parallelism: the send and receive buffers of the largest MoE-layer call's
-    # token exchange (``model_terms.ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
+    # token exchange (``feed_forward.ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
     saved_state_bytes: int = 0  # of the saved bytes of the backward step at the peak, the state buffers its attention
     # saves as views (``Saves.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
     backward_grad_bytes: int | None = None  # the state-gradient bytes on the device at the backward peak's step
@@ -186,21 +185,22 @@ class MemoryEstimate:
 
 class _Layers:
     """A model's decoder layers as the estimate reads them: each layer's mixer op (``Adapter.ops``: its state, saves
-    and transients), MLP width (``Adapter.mlp_width``) and the hidden width, in a model of ``dtype`` on a
-    ``device_type`` device. A layer saves its norms' and residuals' ``NORM`` x hidden per token (half before the
-    mixer, half after), its op's saves, and where its output is used its MLP's ``MLP`` x MLP width."""
+    and transients), feed-forward op (``Adapter.feed_forwards``: its saves and transients per token) and the hidden
+    width, in a model of ``dtype`` on a ``device_type`` device. A layer saves its input norm's and residual's
+    ``NORM`` / 2 x hidden per token, its mixer op's saves, and where its output is used its feed-forward op's."""
 
     def __init__(self, config, dtype: torch.dtype, adapter: Adapter, device_type: str):
         self.ops = adapter.ops
-        self.mlp_widths = [adapter.mlp_width(idx) for idx in range(len(self.ops))]
+        self.feed_forwards = adapter.feed_forwards
         self.hidden, self.dtype, self.device_type = config.hidden_size, dtype, device_type
         self.act = dtype.itemsize
         # per layer and token, the half-precision excess of its norms' saves (``upcast_row_bytes``): the norm
-        # before the mixer; those after it (the MLP half's, with the layer's output used)
+        # before the mixer; those after it (the feed-forward half's, with the layer's output used)
         self.mixer_upcasts = [upcast_row_bytes(adapter.layer_norms(idx, False)[0], self.hidden, dtype)
                               for idx in range(len(self.ops))]
-        self.mlp_upcasts = [sum(upcast_row_bytes(norm, self.hidden, dtype)
-                                for norm in adapter.layer_norms(idx, True)[1:]) for idx in range(len(self.ops))]
+        self.feed_forward_upcasts = [sum(upcast_row_bytes(norm, self.hidden, dtype)
+                                         for norm in adapter.layer_norms(idx, True)[1:])
+                                     for idx in range(len(self.ops))]
         # the rotary tables' width (``Adapter.context``: cos and sin [tokens, rotary dim]); 0 without a rotary module
         rotary = getattr(adapter.backbone, "rotary_emb", None)
         inv_freq = getattr(rotary, "inv_freq", None)
@@ -237,22 +237,22 @@ class _Layers:
                           sum(prefixes))
 
     def layer_saves(self, idx: int, call: LayerCall) -> Saves:
-        """Layer ``idx``'s saves of ``call``: its op's and the norms' and MLP's around it. A layer without state
-        whose output is not needed does not run."""
+        """Layer ``idx``'s saves of ``call``: its mixer op's, its input norm's and its feed-forward half's
+        (``feed_forward_saves``). A layer without state whose output is not needed does not run."""
         op = self.ops[idx]
         if not call.need_output and not op.kinds:
             return Saves(0)
         mixer = op.saves(call)
         own = call.batch * call.tokens * (NORM / 2 * self.hidden * self.act + self.mixer_upcasts[idx])
-        return mixer._replace(own=int(mixer.own + own + self.mlp_half_saves(idx, call)))
+        return mixer._replace(own=int(mixer.own + own + self.feed_forward_saves(idx, call)))
 
-    def mlp_half_saves(self, idx: int, call: LayerCall) -> int:
-        """Of layer ``idx``'s saves in ``call``, its MLP half's (none without ``need_output``): the post norm's
-        share of ``NORM`` and its half-precision copies, and ``MLP`` x the MLP width per token. A layer's backward
-        runs its MLP half first, so these are freed before its mixer's backward runs."""
+    def feed_forward_saves(self, idx: int, call: LayerCall) -> int:
+        """Of layer ``idx``'s saves in ``call``, its feed-forward half's (none without ``need_output``): its op's
+        (``FeedForward.saved_bytes_per_token``) and its norms' half-precision copies per token. A layer's backward
+        runs this half first, so these are freed before its mixer's backward runs."""
         if not call.need_output:
             return 0
-        per_token = (NORM / 2 * self.hidden + MLP * self.mlp_widths[idx]) * self.act + self.mlp_upcasts[idx]
+        per_token = self.feed_forwards[idx].saved_bytes_per_token(self.dtype) + self.feed_forward_upcasts[idx]
         return int(call.batch * call.tokens * per_token)
 
     def saved(self, calls: Sequence[LayerCall], checkpointed: bool) -> tuple[int, int, int, list[int]]:
@@ -278,19 +278,20 @@ class _Layers:
     def peak_transient(self, calls: Sequence[LayerCall], held: Sequence[int], checkpointed: bool, score: int) -> int:
         """What the step's largest moment holds beyond its saved figure (``saved``), never negative. The backward
         runs the scoring first (its transient ``score`` beside every save), then the layers from the last: layer
-        j's MLP half (its backward, ``MLP_BACKWARD`` x MLP width per token, beside all of layer j's saves), then
-        its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's saves less its MLP half's,
-        ``mlp_half_saves``). Layers above j have freed their saves by then; checkpointed, no layer but j holds
-        saves (the saved figure counts the largest layer's). ``held``: each layer's saves less its state views
-        (``saved``'s per-layer figures)."""
+        j's feed-forward half (its backward, ``FeedForward.backward_transient_bytes``, beside all of layer j's
+        saves), then its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's saves less its
+        feed-forward half's, ``feed_forward_saves``). Layers above j have freed their saves by then; checkpointed, no
+        layer but j holds saves (the saved figure counts the largest layer's). ``held``: each layer's saves less its
+        state views (``saved``'s per-layer figures)."""
         base = max(held) if checkpointed else sum(held)
         largest = score - (max(held) if checkpointed else 0)
         below = 0
-        for idx, (op, call, width) in enumerate(zip(self.ops, calls, self.mlp_widths, strict=True)):
+        for idx, (op, feed_forward, call) in enumerate(zip(self.ops, self.feed_forwards, calls, strict=True)):
             below += 0 if checkpointed else (held[idx - 1] if idx else 0)
-            mlp_backward = int(call.need_output) * call.batch * call.tokens * int(MLP_BACKWARD * width) * self.act
+            ff_backward = int(call.need_output) * feed_forward.backward_transient_bytes(call.batch * call.tokens,
+                                                                                         self.dtype)
             mixer = max(op.transient_bytes(call), op.score_block_bytes(call))
-            moment = below + max(held[idx] + mlp_backward, held[idx] - self.mlp_half_saves(idx, call) + mixer)
+            moment = below + max(held[idx] + ff_backward, held[idx] - self.feed_forward_saves(idx, call) + mixer)
             largest = max(largest, moment - base)
         return max(0, largest)
 
@@ -316,19 +317,16 @@ class _Layers:
         ``torch.no_grad``) holds at its largest moment besides the stored state, counted from what ``run_segment``
         and ``Adapter.layer`` keep alive: the rotary tables (cos and sin, [tokens, rotary dim] each, model dtype),
         the segment state every layer run so far returned (``state_rows``: its bytes per layer; the store copies
-        them only after the forward), and inside one decoder layer's MLP half, which holds the most hidden-wide
-        tensors: the layer's input ``h``, the mixer's output, their sum and the post-attention norm's output
-        (4 x hidden), then either the gated MLP's activation, up projection and their product (3 x MLP width) or,
-        as its down projection returns, the product and the MLP output (MLP width + hidden). Nothing is saved for
-        backward. The last layer of an unscored segment runs no MLP (``run_segment``'s ``need_output``). The token
-        mixers' moments are ``capture_mixer_transient``'s; MoE routing buffers are not counted here."""
+        them only after the forward), and inside one decoder layer's feed-forward half, which holds the most
+        hidden-wide tensors (``FeedForward.forward_live_bytes``). Nothing is saved for backward. The last layer of an
+        unscored segment runs no feed-forward (``run_segment``'s ``need_output``). The token mixers' moments are
+        ``capture_mixer_transient``'s."""
         rotary = 2 * self.rotary_dim * tokens * self.act
         largest = 0
-        for idx in range(len(self.ops)):
+        for idx, feed_forward in enumerate(self.feed_forwards):
             if not layer_needs_output(idx, len(self.ops), not last_layer_stops):
                 continue
-            m = self.mlp_widths[idx]
-            live = tokens * self.act * (4 * self.hidden + max(3 * m, m + self.hidden))
+            live = feed_forward.forward_live_bytes(tokens, self.dtype)
             largest = max(largest, sum(state_rows[: idx + 1]) + live)
         return rotary + largest
 
@@ -420,8 +418,8 @@ def estimate_plan(
     specs = adapter.specs()
     layers = _Layers(config, dtype, adapter, device_type)
     rows = plan.capacity
-    # the MoE token exchange's transient per token a layer call runs (``expert_exchange``: linear in the tokens)
-    exchange_per_token = expert_exchange(adapter.model, 1, dtype).transient_bytes if expert_parallel else 0
+    # the MoE token exchange's transient per token a layer call runs (``Moe.exchange``: linear in the tokens)
+    exchange_per_token = largest_exchange(adapter.feed_forwards, 1, dtype).transient_bytes if expert_parallel else 0
     states_held, grads_held = plan.held(mode)
     kinds = [s for layer in specs for s in layer]
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
@@ -514,7 +512,7 @@ def estimate_plan(
             scoring = score_transient_bytes(config.vocab_size, own, head_sum)
             score_block = max(score_block, scoring)
         if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient (the
-            # MLP half's or a mixer's beside the state rows returned so far)
+            # feed-forward half's or a mixer's beside the state rows returned so far)
             own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
             held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
             transient = max(layers.capture_transient(own, not segment.scored, own_rows),

@@ -8,8 +8,8 @@ positions before it, the prefix it attends to) runs, forward (``ModelCost.forwar
     2 x N_layers x S  +  sum over layers of mixer(S, p)  +  2 x hidden x vocab x scored
 
 - N_layers: the decoder layers' matmul weights (``active_params``): Linear and depthwise-conv weights whole, a
-  routed-experts tensor [E, ., .] at k / E (k = ``num_experts_per_tok`` experts run per token; shared experts are
-  Linear, whole). Embeddings, norms, biases and elementwise ops are not counted.
+  routed-experts tensor [E, ., .] at k / E (k: the experts a token runs, the layer's ``FeedForward.top_k``; shared
+  experts are Linear, whole). Embeddings, norms, biases and elementwise ops are not counted.
 - The LM head (hidden x vocab) over the ``scored`` rows the call scores. A call that scores nothing stops its last
   layer at the layer's state (``Adapter.layer`` without ``need_output``): that layer is left out (what it still
   runs, K/V or latent projections or a recurrent mixer, a share of one layer, is not counted).
@@ -103,10 +103,11 @@ class ModelCost:
 
 
 def model_cost(adapter: Adapter) -> ModelCost:
-    """``adapter``'s model as ``ModelCost``: its layers' weights and ``Adapter.ops``."""
-    top_k = getattr(adapter.config, "num_experts_per_tok", 0) or 0
-    return ModelCost(tuple(active_params(layer, top_k) for layer in adapter.layers), adapter.ops,
-                     adapter.lm_head.weight.numel())
+    """``adapter``'s model as ``ModelCost``: its layers' weights (routed experts at each layer's feed-forward op's
+    ``top_k``) and ``Adapter.ops``."""
+    return ModelCost(tuple(active_params(layer, feed_forward.top_k)
+                           for layer, feed_forward in zip(adapter.layers, adapter.feed_forwards, strict=True)),
+                     adapter.ops, adapter.lm_head.weight.numel())
 
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, without 2:4 sparsity (NVIDIA's datasheets quote twice these figures

@@ -7,8 +7,8 @@ shards) costs one rank of a context-parallel (CP) group of R ranks, besides the 
   for FSDP2's per-parameter split, the buffers' bytes), read off a model built on the meta device or a live one;
 - ``unsharded_bytes``: the parameter and gradient bytes FSDP2 holds unsharded at once during a step;
 - ``expert_shard_bytes``: the routed-expert shards a rank keeps resident under expert parallelism (parameters,
-  gradients, AdamW moments; ``ExpertShardBytes``); ``expert_exchange``: one MoE-layer call's token all-to-all
-  (``ExpertExchange``), which the walk estimate counts per token as a transient;
+  gradients, AdamW moments; ``ExpertShardBytes``; one MoE-layer call's token exchange is its feed-forward op's,
+  ``feed_forward.Moe.exchange``);
 - ``Lora``: veRL's LoRA settings and the one peft construction (``Lora.wrap``) the counts, the dry run and the tests
   read; ``Training``: the knobs of one training step (lengths, LongStraw's and veRL's FSDP2 settings, LoRA), read
   off a composed recipe by ``recipe_training`` (``VERL_DTYPES``: veRL's dtype names).
@@ -29,7 +29,6 @@ import torch
 from .adapters import model_on_meta
 from .errors import UnsupportedModelError
 from .knobs import REPLAY_TOKENS
-from .lora import base_model
 from .parallel import experts as parallel_experts
 
 
@@ -179,31 +178,6 @@ def expert_shard_bytes(params: ParameterCounts, cp_size: int, dtype: torch.dtype
     shard = sum(experts // cp_size for experts in params.experts) * dtype.itemsize
     trained = sum(experts // cp_size for experts in params.trainable.experts) * dtype.itemsize
     return ExpertShardBytes(parameters=shard, gradients=trained, moments=2 * trained)
-
-
-class ExpertExchange(NamedTuple):
-    """One MoE-layer call's token exchange on one rank under expert parallelism (transformers'
-    ``EpDispatchExpertsParallel``: the rank's tokens go to their ``top_k`` experts' owners by all-to-all, one hidden
-    vector per (token, top-k slot) pair, and the experts' outputs come back the same way), in bytes."""
-
-    pair_bytes: int  # [tokens x top_k, hidden] in the model dtype: the pairs this rank dispatches (exact whatever the
-    # routing); with balanced routing also the pairs it receives, the outputs it returns and those it gets back
-    transient_bytes: int  # the dispatch's send and receive buffers held at once: 2 x pair_bytes with balanced routing
-    # (a rank that receives every pair of the group's R ranks holds (R + 1) x pair_bytes)
-    collective_bytes: int  # the tensors passed to the token all-to-alls in the call's forward, dispatched pairs and
-    # returned outputs: 2 x pair_bytes expected (exact summed over ranks routing equal tokens); the backward passes as
-    # many again; the exchange of the counts (8 B x the layer's E experts) is not included
-
-
-def expert_exchange(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> ExpertExchange:
-    """The token exchange of the largest MoE layer of ``model`` (a real one or ``model_on_meta``) for ``tokens``
-    tokens of this rank in ``dtype``: the experts' input width (``hidden_dim`` of its
-    ``parallel.experts.dispatched_experts``) and the config's ``num_experts_per_tok``. UnsupportedModelError for a
-    model without an expert-parallel plan."""
-    width = max(module.hidden_dim for _, module in parallel_experts.dispatched_experts(model))
-    pairs = tokens * base_model(model).config.get_text_config().num_experts_per_tok
-    pair_bytes = pairs * width * dtype.itemsize
-    return ExpertExchange(pair_bytes=pair_bytes, transient_bytes=2 * pair_bytes, collective_bytes=2 * pair_bytes)
 
 
 @dataclass(frozen=True)

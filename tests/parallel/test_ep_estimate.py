@@ -15,14 +15,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verl_longstraw import Knobs, group_backward, group_log_probs
+from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.estimate import estimate_memory
-from verl_longstraw.model_terms import (
-    count_units,
-    expert_exchange,
-    expert_shard_bytes,
-    parameter_counts,
-    unsharded_bytes,
-)
+from verl_longstraw.feed_forward import largest_exchange
+from verl_longstraw.model_terms import count_units, expert_shard_bytes, parameter_counts, unsharded_bytes
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.parallel.transformers_ep import MIN_TRANSFORMERS
@@ -81,13 +77,14 @@ def test_expert_parallel_estimate_matches_what_the_ranks_hold_and_send():
     counts = parameter_counts(config)  # on the meta device
     assert counts.expert_total > 0 and counts.experts[0] == 0  # the dense first layer holds no routed experts
     shards = expert_shard_bytes(counts, WORLD, torch.float32)
+    feed_forwards = adapter_on_meta(config).feed_forwards
     estimates = [estimate_memory(config, PROMPT_LEN, WORLD, RESPONSE_LEN, CHUNK, "exact", torch.float32,
                                  cp_size=WORLD, rank=rank, device_type="cpu", expert_parallel=True)
                  for rank in range(WORLD)]
     for rank, (result, estimate) in enumerate(zip(results, estimates, strict=True)):
         assert result["counts"] == counts, rank  # the EP model, DTensors and all, counts as the meta one
         assert (result["experts"], result["expert_grads"]) == (shards.parameters, shards.gradients), rank
-        exchange = expert_exchange(tiny_model(FAMILY), estimate.layer_call_tokens, torch.float32)
+        exchange = largest_exchange(feed_forwards, estimate.layer_call_tokens, torch.float32)
         dispatched = result["sent"][0::2]
         assert estimate.layer_call_tokens == RESPONSE_LEN and max(dispatched) == exchange.pair_bytes, rank
         assert estimate.all_to_all_bytes == exchange.transient_bytes == 2 * exchange.pair_bytes
@@ -105,7 +102,7 @@ def test_expert_parallel_estimate_matches_what_the_ranks_hold_and_send():
     assert len({len(sent) for sent in calls}) == 1  # every rank called every MoE layer in lockstep
     largest = max(range(0, len(calls[0]), 2), key=lambda i: sum(sent[i] for sent in calls))
     moved = sum(sent[largest] + sent[largest + 1] for sent in calls)
-    assert moved == WORLD * expert_exchange(tiny_model(FAMILY), RESPONSE_LEN, torch.float32).collective_bytes
+    assert moved == WORLD * largest_exchange(feed_forwards, RESPONSE_LEN, torch.float32).collective_bytes
 
 
 def test_a_dense_model_has_no_routed_experts():

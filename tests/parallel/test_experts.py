@@ -17,7 +17,6 @@ import transformers
 from packaging.version import Version
 
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs, tree_backward, tree_log_probs
-from verl_longstraw.adapters import adapter_for
 from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.parallel import experts as ep
 from verl_longstraw.parallel.launch import run_ranks
@@ -275,12 +274,12 @@ def test_one_rank_and_an_old_transformers_are_refused(monkeypatch):
 
 @needs_plan
 def test_families_without_a_transformers_plan_have_the_adapters():
-    """nemotron_h and granitemoehybrid: transformers 5.19 has no EP plan for them (5.25 has); their adapters' plans
-    name every routed experts module (one per MoE layer) and no other, and equal transformers' where the installed
-    release has one."""
+    """nemotron_h and granitemoehybrid: transformers 5.19 has no EP plan for them (5.25 has); the plans their adapter
+    modules declare (``feed_forward.register_expert_plan``) name every routed experts module (one per MoE layer) and
+    no other, and equal transformers' where the installed release has one."""
     for family, moe_layers in (("nemotron_h", 1), ("granitemoehybrid", 3)):
         model = tiny_model(family)
-        own = {f"{model.base_model_prefix}.{name}": style for name, style in adapter_for(model).expert_plan.items()}
-        assert not model.ep_plan or model.ep_plan == own, (model.ep_plan, own)
+        own = ep.declared_plan(model)
+        assert own and not model.ep_plan or model.ep_plan == own, (model.ep_plan, own)
         dispatched = ep.dispatched_experts(model)
         assert len(dispatched) == moe_layers and all(name.endswith(".experts") for name, _ in dispatched), dispatched

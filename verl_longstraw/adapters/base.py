@@ -2,8 +2,10 @@
 
 An adapter runs a segment of tokens through the model, layer by layer, reading the state of the tokens before it
 and returning the state the segment adds. It reuses the model's own submodules (projections, norms, MLP/MoE) and
-declares each layer's token mixer once (``op``: a ``mixers.MixerOp`` that owns the layer's state, forward, CP form
-and costs), so it does not depend on one transformers release's cache classes.
+declares each layer once: its norms (``layer_norms``), its token mixer (``op``: a ``mixers.MixerOp`` that owns the
+layer's state, forward, CP form and costs) and its feed-forward half (``feed_forward``: a
+``feed_forward.FeedForward`` that owns its width, top-k and costs), so it does not depend on one transformers
+release's cache classes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..feed_forward import FeedForward, Mlp, Moe
 from ..lora import base_model, check_lora
 from ..mixers import MixerOp, SegmentContext
 from ..parallel import comm
@@ -65,16 +68,12 @@ class Adapter(ABC):
 
     Decoder layers are pre-norm: ``h + mixer(input_norm(h))``, then ``h + mlp(post_norm(h))``, the submodules named
     by the class attributes. Subclasses declare each layer's mixer (``op``), their names where they differ and,
-    where the layer's structure differs, ``layer``, ``embed``, ``final_hidden`` and ``mlp_width``.
+    where the layer's structure differs, ``layer``, ``embed``, ``final_hidden`` and ``feed_forward``.
     """
 
     model_types: tuple[str, ...] = ()
     weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
     layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``op`` serves (None: not read)
-    # the expert-parallel plan of a MoE family whose config has no base_model_ep_plan (``parallel.experts``): module
-    # and parameter names under the base model (``*`` for a layer number) to transformers' styles, the experts
-    # module's ``ep_dispatch_experts`` and its 3-D weights' ``grouped_gemm`` (experts on dim 0); None: none needed
-    expert_plan: dict[str, str] | None = None
     # the names of a decoder layer's submodules that ``layer`` calls, and of the backbone's final norm
     input_norm, post_norm, mlp, final_norm = "input_layernorm", "post_attention_layernorm", "mlp", "norm"
 
@@ -87,6 +86,7 @@ class Adapter(ABC):
         self.lm_head = base.lm_head
         self.check_supported()
         self.ops: tuple[MixerOp, ...] = tuple(self.op(idx) for idx in range(len(self.layers)))
+        self.feed_forwards: tuple[FeedForward, ...] = tuple(self.feed_forward(idx) for idx in range(len(self.layers)))
 
     # -- to implement per architecture -------------------------------------------------
     @abstractmethod
@@ -134,19 +134,22 @@ class Adapter(ABC):
         return (getattr(layer, self.input_norm), getattr(layer, self.post_norm)) if need_output else (
             getattr(layer, self.input_norm),)
 
-    def mlp_width(self, idx: int) -> int:
-        """Intermediate width one token passes through in layer ``idx``'s MLP or MoE block (routed experts x top-k,
-        the shared experts, the router's logits), what the memory estimate counts its activations by."""
+    def feed_forward(self, idx: int) -> FeedForward:
+        """Layer ``idx``'s feed-forward half (built once, ``feed_forwards``), read off the transformers config
+        fields the MoE families share: routed experts (``n_routed_experts`` or ``num_experts``) on the layers not
+        made dense by ``first_k_dense_replace``, ``decoder_sparse_step`` or ``mlp_only_layers``, with shared
+        experts of ``n_shared_experts`` x ``moe_intermediate_size`` or ``shared_expert_intermediate_size``; else
+        a gated MLP of ``intermediate_size``."""
         config = self.config
         experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
         dense_first = getattr(config, "first_k_dense_replace", 0)
         sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
         dense_only = getattr(config, "mlp_only_layers", None) or ()
         if not experts or idx < dense_first or (idx + 1) % sparse_step or idx in dense_only:
-            return config.intermediate_size
+            return Mlp(config.hidden_size, config.intermediate_size)
         shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
         shared += getattr(config, "shared_expert_intermediate_size", 0) or 0
-        return config.num_experts_per_tok * config.moe_intermediate_size + shared + experts
+        return Moe(config.hidden_size, experts, config.num_experts_per_tok, config.moe_intermediate_size, shared)
 
     # -- shared ------------------------------------------------------------------------
     @property
@@ -227,7 +230,7 @@ def model_on_meta(config) -> nn.Module:
 
 def adapter_on_meta(config) -> Adapter:
     """The adapter of ``model_on_meta(config)``: what the memory estimate reads of a model it has only the config
-    of (its layers' mixer ops and MLP widths)."""
+    of (its layers' mixer and feed-forward ops)."""
     return adapter_for(model_on_meta(config))
 
 

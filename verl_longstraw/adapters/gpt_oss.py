@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..feed_forward import Moe
 from .base import Adapter, SegmentContext, register
 from .dense import DenseAttentionAdapter
 
@@ -25,7 +26,8 @@ class GptOssAdapter(DenseAttentionAdapter):
         ctx.cos, ctx.sin = torch.cat([ctx.cos, ctx.cos], dim=-1), torch.cat([ctx.sin, ctx.sin], dim=-1)
         return ctx
 
-    def mlp_width(self, idx: int) -> int:
-        """Top-k experts' gate/up width (2 x intermediate each, gate and up interleaved) and the router's logits."""
+    def feed_forward(self, idx: int) -> Moe:
+        """Routed experts on every layer, each counted at its gate/up width (2 x intermediate, gate and up
+        interleaved)."""
         c = self.config
-        return c.num_experts_per_tok * 2 * c.intermediate_size + c.num_local_experts
+        return Moe(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, 2 * c.intermediate_size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedModelError
+from ..feed_forward import ExpertPlan, FeedForward, Mlp, Moe, register_expert_plan
 from ..mixers import Attention, Mamba2, MixerOp
 from .base import Adapter, register
 
@@ -22,9 +23,6 @@ _MAMBA = "linear_attention"
 @register
 class GraniteMoeHybridAdapter(Adapter):
     model_types = ("granitemoehybrid",)
-    expert_plan = {"layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
-                   "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
-                   "layers.*.block_sparse_moe.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = (_MAMBA, "full_attention")
 
@@ -47,12 +45,14 @@ class GraniteMoeHybridAdapter(Adapter):
         layer = self.layers[idx]
         return Mamba2(layer.mamba) if self._is_mamba(idx) else Attention(layer.self_attn)
 
-    def mlp_width(self, idx: int) -> int:
-        """The shared MLP's intermediate width, plus the routed experts x top-k and the router's logits where the
-        layer has experts."""
+    def feed_forward(self, idx: int) -> FeedForward:
+        """Routed experts of ``intermediate_size`` beside the shared MLP, or the shared MLP alone where
+        ``num_local_experts`` is 0."""
         c = self.config
-        routed = c.num_experts_per_tok * c.intermediate_size + c.num_local_experts if c.num_local_experts else 0
-        return c.shared_intermediate_size + routed
+        if not c.num_local_experts:
+            return Mlp(c.hidden_size, c.shared_intermediate_size)
+        return Moe(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
+                   c.shared_intermediate_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return super().embed(ids) * self.config.embedding_multiplier
@@ -75,3 +75,7 @@ class GraniteMoeHybridAdapter(Adapter):
         """The final norm's output over ``logits_scaling``: the LM head is linear without a bias, so it then yields
         the model's logits / logits_scaling."""
         return super().final_hidden(h) / self.config.logits_scaling
+
+
+register_expert_plan(GraniteMoeHybridAdapter.model_types,  # transformers 5.19 ships none
+                     ExpertPlan("layers.*.block_sparse_moe.experts", ("gate_up_proj", "down_proj")))

@@ -10,6 +10,7 @@ model builds each layer's mixer from it, and the adapter reads the mixer the lay
 
 from __future__ import annotations
 
+from ..feed_forward import Mlp
 from ..mixers import Attention, MixerOp, ShortConv
 from .base import Adapter, register
 
@@ -31,8 +32,8 @@ class Lfm2Adapter(Adapter):
         layer = self.layers[idx]
         return Lfm2Attention(layer.self_attn) if layer.is_attention_layer else ShortConv(layer.conv)
 
-    def mlp_width(self, idx: int) -> int:
-        """The MLP's built width (``w1``'s outputs): the config's ``intermediate_size`` where
+    def feed_forward(self, idx: int) -> Mlp:
+        """The MLP at its built width (``w1``'s outputs): the config's ``intermediate_size`` where
         ``block_auto_adjust_ff_dim`` is off, else 2/3 of it times ``block_ffn_dim_multiplier`` rounded up to
         ``block_multiple_of``."""
-        return self.layers[idx].feed_forward.w1.out_features
+        return Mlp(self.config.hidden_size, self.layers[idx].feed_forward.w1.out_features)

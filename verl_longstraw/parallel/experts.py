@@ -6,8 +6,9 @@ its ``ep_dispatch_experts`` plan (``EpDispatchExpertsParallel``:
 the (token, expert) pairs sorted by owner, counts and tokens exchanged with an autograd-capable
 ``all_to_all_single``, the local experts run, the outputs sent back and weighted) with the expert weights as
 DTensors ``Shard(0)`` over a mesh of the CP group (``grouped_gemm``). The plan is the model config's
-``base_model_ep_plan``, or for a family transformers has none for, the adapter's ``expert_plan`` (data: the same two
-styles on its experts module's names); a family with neither is refused by name.
+``base_model_ep_plan``, or for a family transformers has none for, the one its adapter module declares
+(``feed_forward.expert_plan``: its experts module and their weights, given the same two styles here); a family with
+neither is refused by name.
 
 Every rank must call every MoE layer the same number of times, in the same order: the CP walk does (every rank runs
 every step of the plan, a rank without a response in a replay round replays a one-token dummy), so R > 1 is
@@ -29,29 +30,39 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..adapters import adapter_for
 from ..errors import UnsupportedModelError
+from ..feed_forward import expert_plan as declared_expert_plan
 from ..lora import base_model
 from . import transformers_ep
 from .fsdp2 import mesh_device
 from .transformers_ep import DISPATCH, SHARDED, matches
 
 
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """The expert-parallel plan ``model``'s family declares (``feed_forward.register_expert_plan``) in
+    transformers' styles, full names relative to the transformers model (a peft model's base model): its experts
+    module dispatched, their weights split; empty where the family declares none."""
+    model = base_model(model)
+    declared = declared_expert_plan(model.config.model_type)
+    if declared is None:
+        return {}
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    experts = f"{prefix}{declared.experts}"
+    return {**{f"{experts}.{weight}": SHARDED for weight in declared.weights}, experts: DISPATCH}
+
+
 def expert_plan(model: nn.Module) -> dict[str, str]:
     """``model``'s expert-parallel plan, full module and parameter names (``*`` for a layer number) to
-    transformers' styles: its ``ep_plan`` (the config's ``base_model_ep_plan``), else its adapter's ``expert_plan``
-    under the base model's name; UnsupportedModelError naming the family when neither exists. Names are relative
-    to the transformers model (a peft model's base model)."""
+    transformers' styles: its ``ep_plan`` (the config's ``base_model_ep_plan``), else its family's
+    (``declared_plan``); UnsupportedModelError naming the family when neither exists. Names are relative to the
+    transformers model (a peft model's base model)."""
     model = base_model(model)
-    plan = dict(getattr(model, "ep_plan", None) or {})
-    if not plan:
-        own = adapter_for(model).expert_plan
-        prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
-        plan = {f"{prefix}{name}": style for name, style in (own or {}).items()}
+    plan = dict(getattr(model, "ep_plan", None) or {}) or declared_plan(model)
     if DISPATCH not in plan.values():
         raise UnsupportedModelError(
             f"model_type {model.config.model_type!r} has no expert-parallel plan (neither transformers' "
-            "base_model_ep_plan nor its LongStraw adapter's expert_plan): set expert_parallel: false")
+            "base_model_ep_plan nor one its LongStraw adapter module declares, feed_forward.register_expert_plan): "
+            "set expert_parallel: false")
     return plan
 
 

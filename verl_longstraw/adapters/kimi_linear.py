@@ -3,9 +3,10 @@ layers without positional embedding (NoPE, ``mixers.LatentAttention``), MLP or M
 
 from __future__ import annotations
 
+from ..feed_forward import FeedForward, Mlp, Moe
 from ..mixers import Kda, MixerOp
 from .base import Adapter, register
-from .mla import MultiHeadLatentAttentionAdapter
+from .deepseek import MultiHeadLatentAttentionAdapter
 
 
 @register
@@ -19,10 +20,11 @@ class KimiLinearAdapter(MultiHeadLatentAttentionAdapter):
             return Kda(self.layers[idx].self_attn)
         return super().op(idx)
 
-    def mlp_width(self, idx: int) -> int:
-        """A dense layer's intermediate width; a sparse one's routed experts x top-k, its shared experts and its
-        router's logits (``config.mlp_layer_types``)."""
+    def feed_forward(self, idx: int) -> FeedForward:
+        """A dense MLP or, on the "sparse" layers of ``config.mlp_layer_types``, routed experts with shared experts
+        of the experts' width."""
         c = self.config
         if c.mlp_layer_types[idx] != "sparse":
-            return c.intermediate_size
-        return (c.num_experts_per_tok + c.n_shared_experts) * c.moe_intermediate_size + c.num_local_experts
+            return Mlp(c.hidden_size, c.intermediate_size)
+        return Moe(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   c.n_shared_experts * c.moe_intermediate_size)

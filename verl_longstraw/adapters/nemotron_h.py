@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..feed_forward import ExpertPlan, FeedForward, Mlp, Moe, NoFeedForward, register_expert_plan
 from ..mixers import Attention, Mamba2, MixerOp, NoMixer
 from .base import Adapter, register
 
@@ -19,8 +20,6 @@ _MLP_BLOCKS = ("mlp", "moe")
 @register
 class NemotronHAdapter(Adapter):
     model_types = ("nemotron_h",)
-    expert_plan = {"layers.*.mixer.experts.up_proj": "grouped_gemm", "layers.*.mixer.experts.down_proj": "grouped_gemm",
-                   "layers.*.mixer.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
     weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention", *_MLP_BLOCKS)
     final_norm = "norm_f"
@@ -34,16 +33,15 @@ class NemotronHAdapter(Adapter):
             return Mamba2(self.layers[idx].mixer)
         return NoMixer() if block in _MLP_BLOCKS else Attention(self.layers[idx].mixer)
 
-    def mlp_width(self, idx: int) -> int:
-        """0 for a token mixer's block; an MLP's intermediate width; a MoE's routed experts x top-k, its shared
-        expert and its router's logits."""
+    def feed_forward(self, idx: int) -> FeedForward:
+        """None for a token mixer's block; an MLP block's MLP; a MoE block's routed experts and shared expert."""
         c, block = self.config, self._block(idx)
         if block == "mlp":
-            return c.intermediate_size
+            return Mlp(c.hidden_size, c.intermediate_size)
         if block == "moe":
-            routed = c.num_experts_per_tok * c.moe_intermediate_size
-            return routed + c.moe_shared_expert_intermediate_size + c.n_routed_experts
-        return 0
+            return Moe(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                       c.moe_shared_expert_intermediate_size)
+        return NoFeedForward(c.hidden_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(ids if ids.dim() == 2 else ids[None])
@@ -60,3 +58,7 @@ class NemotronHAdapter(Adapter):
             return (h + block.mixer(x),) if need_output else (None,)
         mixed, state = self.ops[idx].forward(x, ctx, past, need_output)
         return (h + mixed if need_output else None, *state)
+
+
+register_expert_plan(NemotronHAdapter.model_types,  # transformers 5.19 ships none
+                     ExpertPlan("layers.*.mixer.experts", ("up_proj", "down_proj")))
