@@ -26,7 +26,7 @@ process):
 - ``transient_bytes``: the largest transient of any phase: pass-Q's scores of one key block, a row chunk of the
   replay's scoring, or the fused attention backward of one layer (its key blocks, flash's GQA expansion and dq
   accumulators on CUDA, its float32 query gradient; under CP also the gathered outputs and the float32
-  reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention`` count for the device kind
+  reduce-scatter), which ``ops.attention.fused`` and ``ops.attention.cp`` count for the device kind
   ``device_type`` (``fused_backward_transient_bytes``, ``sharded_fused_backward_transient_bytes``). The peak counts
   each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_transient``): the scoring's
   beside every save, a layer's MLP backward (``MLP_BACKWARD``) beside that layer's saves, its mixer's beside its
@@ -42,8 +42,8 @@ gradients held then are the most: every sum after the walk's first backward, dur
 
 The estimate is composition only: the sum over the plan's steps (``Plan.steps``) and the model's layers of what each
 layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
-of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norms and
-MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
+of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.prefix.attention_path``), plus the norms
+and MLP around it (``NORM`` x hidden and ``MLP`` x ``Adapter.mlp_width`` per token, calibrated against
 ``SavedTensorMeter`` on CPU float32 models, the least certain term; it does not grow with P; in half precision the
 norms' float32 copies are added, measured from the model's own norm modules: ``mixers.base.upcast_row_bytes``), the
 state kinds' bytes, the scoring's chunks and the MoE exchange. At a real model's width and length the dry run

@@ -25,7 +25,6 @@ class GraniteMoeHybridAdapter(Adapter):
     expert_plan = {"layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
                    "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
                    "layers.*.block_sparse_moe.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = (_MAMBA, "full_attention")
 
     def check_supported(self) -> None:

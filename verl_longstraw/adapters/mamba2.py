@@ -21,7 +21,6 @@ class NemotronHAdapter(Adapter):
     model_types = ("nemotron_h",)
     expert_plan = {"layers.*.mixer.experts.up_proj": "grouped_gemm", "layers.*.mixer.experts.down_proj": "grouped_gemm",
                    "layers.*.mixer.experts": "ep_dispatch_experts"}  # transformers 5.19 has none
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention", *_MLP_BLOCKS)
     final_norm = "norm_f"
 
