@@ -64,7 +64,7 @@ arithmetic dtype (4 for float32 and bfloat16 models)):
   for a bfloat16 model, where the fused one keeps the gathered queries from the forward and moves
   Hq*(4*Dv + 4*D) (Qwen3.5-27B, Hq 24, D = Dv = 256, R = 8: 49 KB against 49 KB; 37 KB with d(queries) in
   bfloat16, which rounds every rank's share).
-- Gated DeltaNet (KDA, Mamba2 alike: ``mixers.base.affine_merge_bytes``), per linear-attention layer per
+- Gated DeltaNet (KDA, Mamba2 alike: ``mixers.base.affine_merge_bytes``, ``CausalConv.collective_bytes``), per layer per
   capture or recompute chunk (replay rounds need none): all-gather of the (E, M) maps R*H*Dk*(Dv+Dk)*f and of
   the conv tails R*min(K-1, L)*C*b
   (H value heads, C conv channels, K kernel size); backward: reduce-scatters of the same sizes, the

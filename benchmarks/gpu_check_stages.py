@@ -86,12 +86,16 @@ from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.ops import gated_delta_rule as gdn
-from verl_longstraw.ops.attention import ATTENTION_PATHS, prefix_causal_attention, prefix_causal_attention_reference
-from verl_longstraw.ops.blocked_attention import OwnKeyRule
-from verl_longstraw.ops.fused_attention import fused_kernel_dtype, fused_partial_backward, fused_partial_forward
-from verl_longstraw.ops.kda import kda_rule
-from verl_longstraw.ops.window_attention import window_attention, window_attention_reference
+from verl_longstraw.ops.attention.blocked import OwnKeyRule
+from verl_longstraw.ops.attention.fused import fused_kernel_dtype, fused_partial_backward, fused_partial_forward
+from verl_longstraw.ops.attention.prefix import (
+    ATTENTION_PATHS,
+    prefix_causal_attention,
+    prefix_causal_attention_reference,
+)
+from verl_longstraw.ops.attention.window import window_attention, window_attention_reference
+from verl_longstraw.ops.gated_delta import rule as gdn
+from verl_longstraw.ops.kda.rule import kda_rule
 from verl_longstraw.parallel.fsdp2 import held_unsharded, sync_gradients  # torch only: runs without veRL
 from verl_longstraw.state.host import host_memory
 from verl_longstraw.testing.compare import (
@@ -588,7 +592,7 @@ def autograd_op(op: Callable, scale: float) -> Callable:
 
 
 def pass_q_two_ranks(scale: float) -> Callable:
-    """What ``parallel.attention``'s fused pass-Q computes on two ranks, in one process: the prefix rows and the own
+    """What ``ops.attention.cp``'s fused pass-Q computes on two ranks, in one process: the prefix rows and the own
     keys split in halves, each half's fused partial attention of all queries (``OwnKeyRule`` of rank r), merged by
     logsumexp; each half's kernel backward given the merged output and logsumexp (the ring identity)."""
     def run(xs, weight):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import verl_longstraw.ops.attention as attention_ops
+import verl_longstraw.ops.attention.prefix as attention_ops
 from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.memory import parameter_meter
 from verl_longstraw.plan import replay_batches

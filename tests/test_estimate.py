@@ -27,8 +27,8 @@ from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, tr
 from verl_longstraw.errors import UnsupportedModelError
 from verl_longstraw.estimate import estimate_memory, estimate_plan
 from verl_longstraw.memory import AllocationMeter, parameter_meter
-from verl_longstraw.ops.fused_attention import fused_backward_transient_bytes
-from verl_longstraw.parallel.attention import sharded_blocked_transient_bytes, sharded_fused_backward_transient_bytes
+from verl_longstraw.ops.attention.cp import sharded_blocked_transient_bytes, sharded_fused_backward_transient_bytes
+from verl_longstraw.ops.attention.fused import fused_backward_transient_bytes
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import star_plan, tree_plan
 from verl_longstraw.preflight import check_budget

@@ -150,9 +150,9 @@ def test_host_reads_of_fake_values_are_answered_exactly_as_given():
 
 def test_a_half_matmul_with_float32_sums_runs_as_on_a_cuda_build():
     """``bmm.dtype`` (bf16 operands, float32 output: the blocked attention's matmul on CUDA) runs on fake tensors
-    and is counted, so the dry run takes the half-operand path a CUDA build takes (``ops.blocked_attention.
+    and is counted, so the dry run takes the half-operand path a CUDA build takes (``ops.attention.blocked.
     matmul_dtype``), not float32 copies of its operands."""
-    from verl_longstraw.ops.blocked_attention import matmul_dtype
+    from verl_longstraw.ops.attention.blocked import matmul_dtype
 
     mode = fake_cuda.FakeCuda(fake_cuda.DeviceBytes())
     with fake_cuda.fake_cuda_runtime(), mode:

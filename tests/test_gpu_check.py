@@ -26,7 +26,7 @@ import torch
 import transformers.models.kimi_linear.modeling_kimi_linear as kimi_modeling
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5_modeling
 
-from verl_longstraw.ops import gated_delta_rule as gdn
+from verl_longstraw.ops.gated_delta import rule as gdn
 from verl_longstraw.testing.scripts import load_script
 from verl_longstraw.tiny import FAMILIES, VARIANTS, tiny_config, tiny_model
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import verl_longstraw.ops.attention as attention_ops
+import verl_longstraw.ops.attention.prefix as attention_ops
 from verl_longstraw import Knobs, group_backward, group_log_probs
 from verl_longstraw.mixers import LatentAttention
+from verl_longstraw.ops.mla.reference import decompressed_latent_attention
 from verl_longstraw.state import PathState, Rows
 from verl_longstraw.testing.compare import (
     full_log_probs,
@@ -33,6 +34,12 @@ CHUNK = 48
 BF16_SANITY_BOUND = 0.2
 
 
+def _decompressed(op: LatentAttention, ctx, q_nope, q_rope, prefix, segment, w_k, w_v, mask) -> torch.Tensor:
+    """``LatentAttention.attend_latent`` on the reference (one process only)."""
+    assert ctx.split is None
+    return decompressed_latent_attention(q_nope, q_rope, prefix, segment, w_k, w_v, op.module.scaling, mask)
+
+
 def _run(model, prompt, responses, chunk_size):
     """(log-probs [G] of [T_i], exact gradients by parameter name)."""
     log_probs = group_log_probs(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)).log_probs
@@ -49,7 +56,7 @@ def test_absorbed_mla_equals_decompressed(family, overrides, monkeypatch):
     model = tiny_model(family, **overrides)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
     absorbed_lp, absorbed_grads = _run(model, prompt, responses, CHUNK)
-    monkeypatch.setattr(LatentAttention, "absorbed", False)
+    monkeypatch.setattr(LatentAttention, "attend_latent", _decompressed)
     ref_lp, ref_grads = _run(model, prompt, responses, CHUNK)
     for a, b in zip(absorbed_lp, ref_lp, strict=True):
         assert (a - b).abs().max() < 1e-5
@@ -110,7 +117,7 @@ def test_mla_replay_saves_no_per_head_prompt_kv(family, monkeypatch):
     model = tiny_model(family)
     prompt, responses = make_group(VOCAB, PROMPT_LEN, RESPONSE_LENS)
     assert _per_head_saved(model, prompt, responses, CHUNK) == []
-    monkeypatch.setattr(LatentAttention, "absorbed", False)
+    monkeypatch.setattr(LatentAttention, "attend_latent", _decompressed)
     assert _per_head_saved(model, prompt, responses, CHUNK), "detector misses the decompressed path"
 
 

@@ -1,4 +1,4 @@
-"""Sliding-window layers (``state.Window``, ``ops.window_attention``) and gpt-oss's sinks against the standard path.
+"""Sliding-window layers (``state.Window``, ``ops.attention.window``) and gpt-oss's sinks against the standard path.
 
 The window is 8 keys (7 kept rows): prompts shorter and longer than it, capture chunks that end inside a window,
 at its edge (7, 8 tokens) and every few tokens, one and three responses; models with windows on some layers

@@ -30,7 +30,7 @@ TRANSFORMERS = (
      (f"{CONTRACT}::test_every_family_builds_on_recent_transformers",)),
     ("transformers.Qwen3_5TextConfig, Qwen3_5MoeTextConfig, GlmMoeDsaConfig (the named models' dims)", "classes",
      "models.py (read by dryrun.py and the recipes' tables)", ("tests/test_dryrun.py",)),
-    ("transformers.__version__, importlib.metadata.version('transformers')", "version", "ops/ssd_scan.py, "
+    ("transformers.__version__, importlib.metadata.version('transformers')", "version", "ops/mamba2/ssd.py, "
      "parallel/transformers_ep.py, machine.py", (f"{SEAM}::test_the_installed_release_is_its_rows_generation",
                                                 "tests/test_machine.py")),
     ("PretrainedConfig._attn_implementation / ._experts_implementation", "private config attributes", "tiny.py",
@@ -48,9 +48,9 @@ TRANSFORMERS = (
     ("GradientCheckpointingLayer .gradient_checkpointing / ._gradient_checkpointing_func", "private attributes",
      "adapters/base.py (call_as)", (f"{CONTRACT}::test_gradient_checkpointing_keeps_prompt_state",)),
     ("modeling_{nemotron_h,granitemoehybrid,bamba}.mamba2_chunk_scan", "private module function",
-     "ops/ssd_scan.py, mixers/mamba2.py", ("tests/ops/test_ssd_scan.py", EQUIVALENCE)),
+     "ops/mamba2/ssd.py, mixers/mamba2.py", ("tests/ops/test_ssd_scan.py", EQUIVALENCE)),
     ("modeling_kimi_linear.chunk_kimi_delta_attention / recurrent_kimi_delta_attention (and __wrapped__)",
-     "private module functions", "ops/kda.py, mixers/kda.py, testing/compare.py", ("tests/ops/test_kda.py",
+     "private module functions", "ops/kda/rule.py, mixers/kda.py, testing/compare.py", ("tests/ops/test_kda.py",
                                                                                   EQUIVALENCE)),
     ("modeling_{qwen3_next,qwen3_5,qwen3_5_moe}.torch_chunk_gated_delta_rule", "private module function",
      "testing/compare.py (reference_linear_attention)", ("tests/ops/test_gated_delta_rule.py::test_matches_"
@@ -61,7 +61,7 @@ TRANSFORMERS = (
      "mixers/mla.py", (f"{CONTRACT}::test_mla_state_is_latent_only", f"{CONTRACT}::test_sparse_dsa_selection_"
                        "matches_full_forward")),
     ("transformers.integrations.hub_kernels (kernel wrappers keep __wrapped__; with the kernels package, which 5.25 "
-     "requires, a kernels Func module closing over them as func)", "decorator", "ops/kda.py (plain_torch_form), "
+     "requires, a kernels Func module closing over them as func)", "decorator", "ops/kda/rule.py (plain_torch_form), "
      "mixers/mla.py", ("tests/ops/test_kda.py",)),
     ("transformers.activations.ACT2FN", "registry", "mixers/kda.py", (EQUIVALENCE,)),
     ("mixer modules' attributes (Mamba2 / GatedDeltaNet / KDA / MLA / DSA indexer / attention sinks)",

@@ -71,8 +71,8 @@ from .estimate import GIB, MemoryEstimate, estimate_memory
 from .gpu_table import GpuTable, gpu_table
 from .model_terms import Lora, Training, recipe_training
 from .models import CONFIGS
-from .ops import gated_delta_rule
-from .ops.attention import ATTENTION_PATHS
+from .ops.attention.prefix import ATTENTION_PATHS
+from .ops.gated_delta import rule as gated_delta_rule
 from .parallel import comm, experts, fsdp2, transformers_ep
 from .plan import Plan, star_plan
 from .state import host

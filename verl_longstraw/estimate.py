@@ -26,7 +26,7 @@ process):
 - ``transient_bytes``: the largest transient of any phase: pass-Q's scores of one key block, a row chunk of the
   replay's scoring, or the fused attention backward of one layer (its key blocks, flash's GQA expansion and dq
   accumulators on CUDA, its float32 query gradient; under CP also the gathered outputs and the float32
-  reduce-scatter), which ``ops.fused_attention`` and ``parallel.attention`` count for the device kind
+  reduce-scatter), which ``ops.attention.fused`` and ``ops.attention.cp`` count for the device kind
   ``device_type`` (``fused_backward_transient_bytes``, ``sharded_fused_backward_transient_bytes``). The peak counts
   each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_transient``): the scoring's
   beside every save, a layer's feed-forward backward (``FeedForward.backward_transient_bytes``) beside that
@@ -44,7 +44,7 @@ gradients held then are the most: every sum after the walk's first backward, dur
 
 The estimate is composition only: the sum over the plan's steps (``Plan.steps``) and the model's layers of what each
 layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
-of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.attention_path``), plus the norm
+of a ``mixers.LayerCall``; the op decides its own path, e.g. ``ops.attention.prefix.attention_path``), plus the norm
 before it (``feed_forward.NORM`` / 2 x hidden per token) and what its feed-forward op reports per token
 (``feed_forward.FeedForward``: its half of the layer's saves, its backward transient, its no-grad forward's live
 tensors and, under expert parallelism, its token exchange; calibrated against ``SavedTensorMeter`` on CPU float32

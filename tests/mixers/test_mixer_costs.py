@@ -71,11 +71,11 @@ def test_saves_match_meter(case, need_output):
 
 
 def test_mamba2_summary_scan_saves_match_meter():
-    """What the CP summary scan of a Mamba2 layer keeps once its output is dropped (``parallel.ssd``: the scan from
+    """What the CP summary scan of a Mamba2 layer keeps once its output is dropped (``ops.mamba2.cp``: the scan from
     zero, its final state alone read) against ``mamba2.SUMMARY_SAVES`` of the scan's saves, over short and long
     segments."""
     from verl_longstraw.mixers.mamba2 import SUMMARY_SAVES
-    from verl_longstraw.ops.ssd_scan import ssd_torch_saved_bytes
+    from verl_longstraw.ops.mamba2.ssd import ssd_torch_saved_bytes
 
     _, op = _layer("nemotron_h", 0)
     heads, p, n, groups = op.heads, op.head_dim, op.state_size, op.groups

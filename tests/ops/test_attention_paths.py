@@ -1,4 +1,4 @@
-"""``ops.attention``'s dispatch by shape (``attention_path``) and what each path reports it saves
+"""``ops.attention.prefix``'s dispatch by shape (``attention_path``) and what each path reports it saves
 (``attention_saved_bytes``, which the memory estimate reads): the path a call takes is the one ``attention_path``
 names, and the bytes ``SavedTensorMeter`` measures are the reported ones plus the output and its logsumexp
 (exactly on the paths that save their inputs; within the stated bounds where a dense op's intermediates are
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops import attention as attention_ops
-from verl_longstraw.ops.attention import AttentionCall, attention_path, attention_saved_bytes
+from verl_longstraw.ops.attention import prefix as attention_ops
+from verl_longstraw.ops.attention.prefix import AttentionCall, attention_path, attention_saved_bytes
 
 # name: (B, Hq, Hk, D, Dv, T, P, shared prefix, module patches, expected path, exact)
 CASES = {

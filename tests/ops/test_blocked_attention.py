@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from verl_longstraw.memory import AllocationMeter
-from verl_longstraw.ops import attention as attention_ops
-from verl_longstraw.ops import blocked_attention as blocked_ops
-from verl_longstraw.ops.attention import (
+from verl_longstraw.ops.attention import blocked as blocked_ops
+from verl_longstraw.ops.attention import prefix as attention_ops
+from verl_longstraw.ops.attention.blocked import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
+from verl_longstraw.ops.attention.prefix import (
     partial_attention,
     partial_attention_reference,
     prefix_causal_attention_reference,
 )
-from verl_longstraw.ops.blocked_attention import OwnKeyRule, partial_attention_blocked, prefix_causal_attention_blocked
 from verl_longstraw.testing.compare import no_worse_than_standard
 
 NAMES = ("q", "k_prefix", "v_prefix", "k_self", "v_self")

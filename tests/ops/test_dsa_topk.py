@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from verl_longstraw.ops.dsa_topk import dsa_topk_mask, dsa_topk_mask_reference, running_top_sort_keys, top_sort_keys
+from verl_longstraw.ops.dsa.topk import dsa_topk_mask, dsa_topk_mask_reference, running_top_sort_keys, top_sort_keys
 
 HEADS, DIM = 4, 16
 SCALE = DIM**-0.5  # 0.25 and the weights' HEADS**-0.5 = 0.5 are powers of two: with small integer

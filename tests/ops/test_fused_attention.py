@@ -17,11 +17,11 @@ from test_blocked_attention import (
 )
 
 from verl_longstraw.memory import AllocationMeter
-from verl_longstraw.ops import attention as attention_ops
-from verl_longstraw.ops import fused_attention as fused_ops
-from verl_longstraw.ops.attention import prefix_causal_attention, prefix_causal_attention_reference
-from verl_longstraw.ops.blocked_attention import OWN_SEGMENT, prefix_causal_attention_blocked
-from verl_longstraw.ops.fused_attention import fused_dtype, prefix_causal_attention_fused
+from verl_longstraw.ops.attention import fused as fused_ops
+from verl_longstraw.ops.attention import prefix as attention_ops
+from verl_longstraw.ops.attention.blocked import OWN_SEGMENT, prefix_causal_attention_blocked
+from verl_longstraw.ops.attention.fused import fused_dtype, prefix_causal_attention_fused
+from verl_longstraw.ops.attention.prefix import prefix_causal_attention, prefix_causal_attention_reference
 
 # (B, Hq, Hk, T, P, D)
 CASES = {

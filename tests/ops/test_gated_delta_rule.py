@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verl_longstraw.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference
+from verl_longstraw.ops.gated_delta.rule import gated_delta_rule, gated_delta_rule_reference
 from verl_longstraw.testing.compare import errors_against_exact, no_worse_than_standard
 
 B, H, DK, DV = 2, 3, 8, 6
@@ -299,7 +299,7 @@ def test_kernel_path_is_logged_once(caplog) -> None:
     """The path the rule runs is logged once per process (here: the plain torch rule for CPU inputs)."""
     import logging
 
-    from verl_longstraw.ops import gated_delta_rule as rule
+    from verl_longstraw.ops.gated_delta import rule
 
     rule._log_kernel_path.cache_clear()
     inputs = {n: None if x is None else x.detach() for n, x in make_inputs(9, torch.float32, True).items()}
@@ -315,7 +315,7 @@ def test_kernel_path_is_logged_once(caplog) -> None:
 )
 def test_fla_grouped_heads_version_gate(monkeypatch, version: str, native: bool) -> None:
     """fla >= 0.5 takes q, k with H key heads and v with HV value heads (native GVA); older ones get q, k repeated."""
-    from verl_longstraw.ops import gated_delta_rule as rule
+    from verl_longstraw.ops.gated_delta import rule
 
     monkeypatch.setattr(rule.importlib.metadata, "version", lambda name: version)
     rule._fla_takes_grouped_heads.cache_clear()
@@ -330,7 +330,7 @@ def test_the_dry_runs_fla_stand_in_has_the_kernels_shapes_and_path():
     backward a gradient per input; inside ``fla_stand_in`` half CUDA inputs take it (``kernel_path``: "fla"), other
     inputs the plain rule; with no GPU visible a plan for CUDA assumes fla."""
     from verl_longstraw import fake_cuda
-    from verl_longstraw.ops import gated_delta_rule as rule
+    from verl_longstraw.ops.gated_delta import rule
 
     assert rule.kernel_path("cpu", torch.bfloat16) == rule.kernel_path("cuda", torch.float32) == "torch"
     if not torch.cuda.is_available():

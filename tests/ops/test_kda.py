@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: the model's chunked rule (``ops.kda``) against its token-by-token recurrence."""
+"""Kimi Delta Attention: the model's chunked rule (``ops.kda.rule``) against its token-by-token recurrence."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops.kda import chunked_rule, kda_rule, kda_torch_saved_bytes, model_kda_rules
+from verl_longstraw.ops.kda.rule import chunked_rule, kda_rule, kda_torch_saved_bytes, model_kda_rules
 from verl_longstraw.tiny import tiny_model, unavailable
 
 if unavailable("kimi_linear"):

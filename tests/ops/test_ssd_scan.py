@@ -1,4 +1,4 @@
-"""Mamba2's chunked scan (the model's own, ``ops.ssd_scan``) against the token-by-token reference recurrence."""
+"""Mamba2's chunked scan (the model's own, ``ops.mamba2.ssd``) against the token-by-token reference recurrence."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops.ssd_scan import (
+from verl_longstraw.ops.mamba2.ssd import (
     model_chunk_scan,
     ssd_scan,
     ssd_scan_reference,

@@ -1,4 +1,4 @@
-"""``ops.window_attention`` (sliding windows and sinks) against its plain reference, and its saved-bytes count."""
+"""``ops.attention.window`` (sliding windows and sinks) against its plain reference, and its saved-bytes count."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops import window_attention as window_ops
-from verl_longstraw.ops.attention import ATTENTION_PATHS
-from verl_longstraw.ops.window_attention import (
+from verl_longstraw.ops.attention import window as window_ops
+from verl_longstraw.ops.attention.prefix import ATTENTION_PATHS
+from verl_longstraw.ops.attention.window import (
     window_attention,
     window_attention_reference,
     window_attention_saved_bytes,

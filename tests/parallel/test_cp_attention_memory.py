@@ -1,4 +1,4 @@
-"""The blocked pass-Q's transients (``parallel.attention.sharded_blocked_transient_bytes``, the estimate's count of
+"""The blocked pass-Q's transients (``ops.attention.cp.sharded_blocked_transient_bytes``, the estimate's count of
 what MLA and DSA layers allocate under CP) bound what the op allocates on fake CUDA tensors, by at most 10%: a no-grad
 forward (a capture) and the backward, over ranks of unequal sizes, long and short key sets, half and float32 inputs."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_longstraw import fake_cuda
-from verl_longstraw.parallel.attention import sharded_blocked_transient_bytes, sharded_prefix_attention
+from verl_longstraw.ops.attention.cp import sharded_blocked_transient_bytes, sharded_prefix_attention
 
 pytestmark = pytest.mark.usefixtures("no_default_group")  # conftest: these tests make the fake group
 

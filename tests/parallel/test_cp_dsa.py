@@ -1,5 +1,5 @@
 """DSA sparse top-k selection over a context-parallel prefix against one process, on R = 2 and 3 gloo ranks
-(one spawned run per R): the op (``parallel.dsa``) selects the keys ``ops.dsa_topk.dsa_topk_mask`` selects,
+(one spawned run per R): the op (``ops.dsa.cp``) selects the keys ``ops.dsa.topk.dsa_topk_mask`` selects,
 on tie-free and on tied inputs, for capture chunks and replayed responses, with the same collectives on every
 rank and a threshold search whose traffic does not grow with R or top-k; ``kth_largest`` against ``topk`` on
 values of both signs and the int64 extremes; and the glm_moe_dsa core with ``index_topk`` below the prompt
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs
-from verl_longstraw.ops.dsa_topk import dsa_topk_mask
+from verl_longstraw.ops.dsa.cp import kth_largest, selection_collective_bytes, sharded_dsa_topk_mask
+from verl_longstraw.ops.dsa.topk import dsa_topk_mask
 from verl_longstraw.parallel.comm import trace_collectives
-from verl_longstraw.parallel.dsa import kth_largest, selection_collective_bytes, sharded_dsa_topk_mask
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import Split, split_evenly, star_plan
 from verl_longstraw.testing.compare import make_group, weighted_loss

@@ -7,13 +7,13 @@ measurement; this test runs it) reports P = 8192 in benchmarks/results/cp.md. qw
 prompt state is per-token K/V rows, which context parallelism divides (a hybrid model's fixed-size
 recurrent state and its chunk boundaries are replicated on every rank). Chunk 2048 because it keeps
 the single process on the blocked attention without a saved explicit mask in every chunk (its mask is
-used while [chunk, prefix + chunk] float32 fits 16 MiB, ops/attention.py): a smaller chunk would let
+used while [chunk, prefix + chunk] float32 fits 16 MiB, ops/attention/prefix.py): a smaller chunk would let
 that mask dominate R = 1's peak and flatter the ratio.
 
 - prompt-state bytes per rank at R = 4 are within one chunk (a rank's share of one chunk's rows) of
   1/4 of R = 1's;
 - peak bytes saved for backward per rank at R = 4 are at most 0.35 x R = 1's (measured 0.33 here, 0.32 at
-  P = 8192; 2.9 before pass-Q used the blocked partial attention, see parallel/attention.py);
+  P = 8192; 2.9 before pass-Q used the blocked partial attention, see ops/attention/cp.py);
 - under CP, memory is flat in G: G = 2 and G = 8 peaks within 5 %.
 """
 

@@ -13,9 +13,17 @@ import pytest
 import torch
 
 from verl_longstraw.memory import AllocationMeter
-from verl_longstraw.ops import fused_attention as fused_ops
-from verl_longstraw.ops.attention import ATTENTION_PATHS, prefix_causal_attention, prefix_causal_attention_reference
-from verl_longstraw.parallel.attention import sharded_fused_backward_transient_bytes, sharded_prefix_attention
+from verl_longstraw.ops.attention import fused as fused_ops
+from verl_longstraw.ops.attention.cp import (
+    sharded_attention_path,
+    sharded_fused_backward_transient_bytes,
+    sharded_prefix_attention,
+)
+from verl_longstraw.ops.attention.prefix import (
+    ATTENTION_PATHS,
+    prefix_causal_attention,
+    prefix_causal_attention_reference,
+)
 from verl_longstraw.parallel.comm import trace_collectives
 from verl_longstraw.parallel.launch import run_ranks
 
@@ -294,3 +302,13 @@ def test_without_group_is_the_single_process_op() -> None:
     k_prefix, v_prefix = (torch.randn(1, 2, 7, 4, generator=gen) for _ in range(2))
     args = (q, k_prefix, v_prefix, k_self, v_self, 0.5)
     assert torch.equal(sharded_prefix_attention(*args, None, (5,), (7,), True), prefix_causal_attention(*args))
+
+
+def test_pass_q_takes_the_fused_kernels_only_without_a_reason_not_to() -> None:
+    """``sharded_attention_path``, the one decision the op and the layer's costs share: fused where the kernels take
+    the inputs, blocked for a key mask, a forced block size, inputs the kernels refuse, or no queries."""
+    assert sharded_attention_path(torch.float32, 8) == "fused"
+    assert sharded_attention_path(torch.float32, 8, masked=True) == "blocked"
+    assert sharded_attention_path(torch.float32, 8, block_size=4) == "blocked"
+    assert sharded_attention_path(None, 8) == "blocked"
+    assert sharded_attention_path(torch.float32, 0) == "blocked"

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_longstraw.ops.gated_delta_rule import gated_delta_rule
+from verl_longstraw.ops.causal_conv.cp import sharded_conv_input
+from verl_longstraw.ops.gated_delta.cp import sharded_gated_delta_rule
+from verl_longstraw.ops.gated_delta.rule import gated_delta_rule
 from verl_longstraw.parallel.comm import trace_collectives
-from verl_longstraw.parallel.gated_delta import sharded_conv_input, sharded_gated_delta_rule
 from verl_longstraw.parallel.launch import run_ranks
 
 TOL = dict(atol=1e-10, rtol=1e-10)

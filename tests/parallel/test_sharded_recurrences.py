@@ -1,4 +1,4 @@
-"""Sharded Mamba2 scan (``parallel.ssd``) and Kimi Delta Attention (``parallel.kda``) on 2 and 3 gloo ranks against
+"""Sharded Mamba2 scan (``ops.mamba2.cp``) and Kimi Delta Attention (``ops.kda.cp``) on 2 and 3 gloo ranks against
 the single-process op.
 
 One ``run_ranks`` call of 3 processes serves every case (as ``test_sharded_gated_delta``): 3-rank cases on the whole
@@ -7,8 +7,8 @@ weights its own outputs and puts its own terminal weight on the replicated final
 the sum of the ranks' and its gradients equal each rank's gradients of its own tokens and the SUM over ranks of the
 replicated inputs' partial gradients (the initial state; the scan's A and D).
 
-Two kernels per op. ``float64``: a token-by-token recurrence in float64 (``ops.ssd_scan.reference_chunk_scan``;
-for KDA ``ops.kda.kda_reference``, checked against the model's rule), so the merge algebra is exact: agreement
+Two kernels per op. ``float64``: a token-by-token recurrence in float64 (``ops.mamba2.ssd.reference_chunk_scan``;
+for KDA ``ops.kda.rule.kda_reference``, checked against the model's rule), so the merge algebra is exact: agreement
 < 1e-10. ``model``: the model's own chunked kernel, which computes in float32 whatever its inputs (transformers'
 mamba2_chunk_scan and chunk_kimi_delta_attention cast them), so the sharded run differs from one run by float32
 roundings in another order: 40 float32 eps relative L2, the bound ``tests/ops`` holds these kernels to against their
@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_longstraw.ops.kda import kda_reference
-from verl_longstraw.ops.ssd_scan import reference_chunk_scan
+from verl_longstraw.ops.kda.cp import sharded_kda_rule
+from verl_longstraw.ops.kda.rule import kda_reference
+from verl_longstraw.ops.mamba2.cp import sharded_ssd_scan
+from verl_longstraw.ops.mamba2.ssd import reference_chunk_scan
 from verl_longstraw.parallel.comm import trace_collectives
-from verl_longstraw.parallel.kda import sharded_kda_rule
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.parallel.ssd import sharded_ssd_scan
 from verl_longstraw.tiny import unavailable
 
 TOL = {"float64": 1e-10, "model": 40 * torch.finfo(torch.float32).eps}
@@ -38,8 +38,8 @@ KDA_TOKENS = ("q", "k", "v", "g", "beta")
 
 
 def kda_float64(q, k, v, g, beta, initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True):
-    """``ops.kda.kda_reference`` (the recurrence in the inputs' dtype) under the model rule's signature as
-    ``ops.kda.kda_rule`` calls it: (output [B, S, H, Dv], final state [B, H, Dk, Dv])."""
+    """``ops.kda.rule.kda_reference`` (the recurrence in the inputs' dtype) under the model rule's signature as
+    ``ops.kda.rule.kda_rule`` calls it: (output [B, S, H, Dv], final state [B, H, Dk, Dv])."""
     return kda_reference(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 

@@ -14,7 +14,6 @@ from .base import Adapter, register
 @register
 class BambaAdapter(Adapter):
     model_types = ("bamba",)
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention")
     post_norm, mlp, final_norm = "pre_ff_layernorm", "feed_forward", "final_layernorm"
 

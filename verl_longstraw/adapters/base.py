@@ -72,7 +72,8 @@ class Adapter(ABC):
     """
 
     model_types: tuple[str, ...] = ()
-    weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA
+    weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA;
+    # with the mixers' own (``MixerOp.weights_read``: a causal conv's), what ``lora.check_lora`` refuses
     layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``op`` serves (None: not read)
     # the names of a decoder layer's submodules that ``layer`` calls, and of the backbone's final norm
     input_norm, post_norm, mlp, final_norm = "input_layernorm", "post_attention_layernorm", "mlp", "norm"
@@ -87,6 +88,7 @@ class Adapter(ABC):
         self.check_supported()
         self.ops: tuple[MixerOp, ...] = tuple(self.op(idx) for idx in range(len(self.layers)))
         self.feed_forwards: tuple[FeedForward, ...] = tuple(self.feed_forward(idx) for idx in range(len(self.layers)))
+        check_lora(self.model, self.weights_read + tuple(name for op in self.ops for name in op.weights_read))
 
     # -- to implement per architecture -------------------------------------------------
     @abstractmethod
@@ -108,7 +110,6 @@ class Adapter(ABC):
                 f"{self.config.model_type}: layer type(s) {unknown} of config.layer_types are not supported (this "
                 f"adapter runs {' and '.join(self.layer_types)} layers)"
             )
-        check_lora(self.model, self.weights_read)
 
     def check_length(self, total: int) -> None:
         """Raise for a sequence length this architecture cannot replay exactly."""

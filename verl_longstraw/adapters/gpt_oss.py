@@ -2,7 +2,7 @@
 with learned attention sinks and biased projections, each followed by a MoE block (top-k router, SwiGLU experts with
 clamped gates, as the model computes them).
 
-Both layer kinds are ``mixers.WindowAttention`` (the sinks merged by log-sum-exp by ``ops.window_attention``): over
+Both layer kinds are ``mixers.WindowAttention`` (the sinks merged by log-sum-exp by ``ops.attention.window``): over
 every earlier key on a full layer, the last W - 1 rows on a sliding one.
 """
 

@@ -23,7 +23,6 @@ _MAMBA = "linear_attention"
 @register
 class GraniteMoeHybridAdapter(Adapter):
     model_types = ("granitemoehybrid",)
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = (_MAMBA, "full_attention")
 
     def check_supported(self) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from ..feed_forward import FeedForward, Mlp, Moe
 from ..mixers import Kda, MixerOp
-from .base import Adapter, register
+from .base import register
 from .deepseek import MultiHeadLatentAttentionAdapter
 
 
 @register
 class KimiLinearAdapter(MultiHeadLatentAttentionAdapter):
     model_types = ("kimi_linear",)
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Kda``)
     layer_types = ("full_attention", "linear_attention")
 
     def op(self, idx: int) -> MixerOp:

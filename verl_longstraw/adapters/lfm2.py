@@ -24,7 +24,6 @@ class Lfm2Attention(Attention):
 @register
 class Lfm2Adapter(Adapter):
     model_types = ("lfm2",)
-    weights_read = (*Adapter.weights_read, "conv")  # the short conv runs on its nn.Conv1d's weight (``ShortConv``)
     layer_types = ("conv", "full_attention")
     input_norm, post_norm, mlp, final_norm = "operator_norm", "ffn_norm", "feed_forward", "embedding_norm"
 

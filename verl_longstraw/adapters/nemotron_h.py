@@ -20,7 +20,6 @@ _MLP_BLOCKS = ("mlp", "moe")
 @register
 class NemotronHAdapter(Adapter):
     model_types = ("nemotron_h",)
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``Mamba2``)
     layer_types = ("linear_attention", "full_attention", *_MLP_BLOCKS)
     final_norm = "norm_f"
 

@@ -10,7 +10,6 @@ from .base import Adapter, register
 @register
 class HybridGatedDeltaNetAdapter(Adapter):
     model_types = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-    weights_read = (*Adapter.weights_read, "conv1d")  # the causal conv runs on its weight (``GatedDelta``)
     layer_types = ("full_attention", "linear_attention")
 
     def op(self, idx: int) -> MixerOp:

@@ -4,13 +4,14 @@ plan step. An adapter declares one per layer; the memory estimate and the FLOP c
 
 from .attention import Attention, RowAttention, WindowAttention
 from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, layer_needs_output, per_sequence
+from .causal_conv import CausalConv, ShortConv
 from .gated_delta import GatedDelta
 from .kda import Kda
 from .mamba2 import Mamba2
 from .mla import LatentAttention
-from .short_conv import ShortConv
 
 __all__ = [
-    "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer", "RowAttention",
-    "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output", "per_sequence",
+    "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer",
+    "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output",
+    "per_sequence",
 ]

@@ -4,9 +4,9 @@ sliding window or with learned sinks (``WindowAttention``, one process only).
 State: K (after norm and RoPE) and V, one row per token [1, kv_heads, 1, head_dim]: every row (``Rows``), or for a
 window W the last W - 1 (``Window``), what a later token can still see.
 
-Costs: the path ``ops.attention.prefix_causal_attention`` takes and what it saves are the op's own
-(``attention_path``, ``attention_saved_bytes``), pass-Q's ``parallel.attention.sharded_attention_saved_bytes``,
-the window op's ``ops.window_attention.window_attention_saved_bytes``; the projections around them save
+Costs: the path ``ops.attention.prefix.prefix_causal_attention`` takes and what it saves are the op's own
+(``attention_path``, ``attention_saved_bytes``), pass-Q's ``ops.attention.cp.sharded_attention_saved_bytes``,
+the window op's ``ops.attention.window.window_attention_saved_bytes``; the projections around them save
 ``ATTENTION_SAVES`` elements per token per unit of their widths (calibrated).
 """
 
@@ -18,20 +18,22 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..ops import attention as attention_ops
-from ..ops.attention import AttentionCall, attention_path, attention_saved_bytes, prefix_causal_attention
-from ..ops.fused_attention import fused_backward_transient_bytes, planned_fused_dtype
-from ..ops.window_attention import (
-    window_attention,
-    window_attention_fused_dtype,
-    window_attention_saved_bytes,
-)
-from ..parallel.attention import (
+from ..ops.attention import prefix as attention_ops
+from ..ops.attention.cp import (
     BlockedPassQTransients,
+    PassQPath,
+    sharded_attention_path,
     sharded_attention_saved_bytes,
     sharded_blocked_transient_bytes,
     sharded_fused_backward_transient_bytes,
     sharded_prefix_attention,
+)
+from ..ops.attention.fused import fused_backward_transient_bytes, planned_fused_dtype
+from ..ops.attention.prefix import AttentionCall, attention_path, attention_saved_bytes, prefix_causal_attention
+from ..ops.attention.window import (
+    window_attention,
+    window_attention_fused_dtype,
+    window_attention_saved_bytes,
 )
 from ..state import LayerState, Rows, Window
 from .base import LayerCall, MixerOp, Saves, SegmentContext, apply_rope, upcast_row_bytes
@@ -43,9 +45,9 @@ WINDOW_SAVES = 1.0  # the same around ``window_attention``, whose own saves hold
 
 
 def attend(ctx: SegmentContext, q, k_prefix, v_prefix, k_self, v_self, scale: float, key_mask=None) -> torch.Tensor:
-    """``ops.attention.prefix_causal_attention`` (shapes there, a batch-1 prefix shared by B sequences included) in
-    one process, ``parallel.attention.sharded_prefix_attention`` (pass-Q) over the prompt state of every rank of a
-    CP group."""
+    """``ops.attention.prefix.prefix_causal_attention`` (shapes there, a batch-1 prefix shared by B sequences
+    included) in one process, ``ops.attention.cp.sharded_prefix_attention`` (pass-Q) over the prompt state of every
+    rank of a CP group."""
     if ctx.split is None:
         return prefix_causal_attention(q, k_prefix, v_prefix, k_self, v_self, scale, key_mask=key_mask,
                                        cache=ctx.scratch)
@@ -87,6 +89,15 @@ class RowAttention(MixerOp):
         """The dtype the fused kernels compute this layer's inputs in, None where they do not take them."""
         return _fused_dtype(call.device_type, call.dtype, self.q_heads, self.kv_heads, self.qk_dim, self.v_dim)
 
+    def masks_keys(self, call: LayerCall) -> bool:
+        """Whether the call's attention reads a key mask (DSA's selection); False here."""
+        return False
+
+    def pass_q_path(self, call: LayerCall) -> PassQPath:
+        """The path pass-Q takes for ``call`` under CP (``ops.attention.cp.sharded_attention_path``, which the op
+        asks too)."""
+        return sharded_attention_path(self.fused_dtype(call), call.queries, self.masks_keys(call))
+
     def attention_call(self, call: LayerCall) -> AttentionCall:
         """The ``prefix_causal_attention`` call of ``call`` (one process): its batch after a shared prefix."""
         return AttentionCall(call.batch, self.q_heads, self.kv_heads, self.qk_dim, self.v_dim, call.tokens,
@@ -105,7 +116,7 @@ class RowAttention(MixerOp):
         activations = rows * self.token_bytes(call.act) + upcasts
         buffer = row * call.state_len
         if call.cp_size > 1:
-            fused = self.fused_dtype(call) is not None
+            fused = self.pass_q_path(call) == "fused"
             pass_q = sharded_attention_saved_bytes(call.dtype, self.q_heads, self.qk_dim, self.v_dim, call.queries,
                                                    call.cp_size, fused, buffer, row * call.tokens)
             counted_twice = call.tokens * self.q_heads * (self.qk_dim if fused else self.qk_dim + self.v_dim)
@@ -117,13 +128,11 @@ class RowAttention(MixerOp):
         return Saves(int(activations + op.own), shared=op.shared, state_views=views)
 
     def transient_bytes(self, call: LayerCall) -> int:
-        """The fused backward's buffers where the call takes the fused kernels (``ops.fused_attention``, pass-Q's
+        """The fused backward's buffers where the call takes the fused kernels (``ops.attention.fused``, pass-Q's
         ``sharded_fused_backward_transient_bytes`` under CP); under CP off them, the blocked pass-Q's backward
         (``sharded_blocked_transient_bytes``)."""
-        if call.need_output and self.takes_blocked_pass_q(call):
-            return self.blocked_pass_q(call).backward
-        if self.fused_dtype(call) is None:
-            return 0
+        if self.takes_blocked_pass_q(call):
+            return self.blocked_pass_q(call).backward if call.need_output else 0
         if call.cp_size > 1:
             return sharded_fused_backward_transient_bytes(call.device_type, call.dtype, call.batch, self.q_heads,
                                                           self.kv_heads, self.qk_dim, call.sizes, call.rank,
@@ -143,8 +152,8 @@ class RowAttention(MixerOp):
         return self.score_block_bytes(call)
 
     def takes_blocked_pass_q(self, call: LayerCall) -> bool:
-        """Whether ``call`` runs pass-Q on the blocked op: under CP where the fused kernels do not take the inputs."""
-        return call.cp_size > 1 and self.fused_dtype(call) is None
+        """Whether ``call`` runs pass-Q on the blocked op (``pass_q_path``, under CP)."""
+        return call.cp_size > 1 and self.pass_q_path(call) == "blocked"
 
     def blocked_pass_q(self, call: LayerCall) -> BlockedPassQTransients:
         """``sharded_blocked_transient_bytes`` of ``call`` (under CP)."""
@@ -153,7 +162,7 @@ class RowAttention(MixerOp):
 
     def score_block_bytes(self, call: LayerCall) -> int:
         """Under CP on the blocked pass-Q (the fused kernels do not take the inputs): the scores and probabilities
-        of one key block (``ops.attention.key_block_size``) of this rank's keys for the gathered queries, in the
+        of one key block (``ops.attention.prefix.key_block_size``) of this rank's keys for the gathered queries, in the
         compute dtype; else 0."""
         if not self.takes_blocked_pass_q(call):
             return 0
@@ -162,7 +171,7 @@ class RowAttention(MixerOp):
         return 2 * self.q_heads * call.queries * block * itemsize
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
-        """Pass-Q's (``parallel.attention``) where the layer attends, R ranks of n_r tokens, N = sum n_r,
+        """Pass-Q's (``ops.attention.cp``) where the layer attends, R ranks of n_r tokens, N = sum n_r,
         L = max n_r, Hq heads, b / f bytes of the model / arithmetic dtype. Forward: all-gather of the queries
         R L Hq D b and of the logsumexps R N Hq f, reduce-scatter of the weighted partial outputs R L Hq Dv f.
         Backward on the fused kernels: all-gather of d(output) and output R L Hq 2 Dv b, reduce-scatter of
@@ -174,7 +183,7 @@ class RowAttention(MixerOp):
         b, f = call.act, call.compute.itemsize
         gather = r * longest * heads * self.qk_dim * b + r * n * heads * f
         scatter = r * longest * heads * self.v_dim * f
-        if backward and self.fused_dtype(call) is not None:
+        if backward and self.pass_q_path(call) == "fused":
             gather += r * longest * heads * 2 * self.v_dim * b
             scatter += r * longest * heads * self.qk_dim * f
         elif backward:
@@ -263,7 +272,7 @@ class Attention(RowAttention):
 
 class WindowAttention(Attention):
     """``Attention`` within a sliding ``window`` of keys (None: every earlier key) and with the module's learned
-    ``sinks`` where it has them (gpt_oss), through ``ops.window_attention``. State: for a window the last W - 1
+    ``sinks`` where it has them (gpt_oss), through ``ops.attention.window``. State: for a window the last W - 1
     rows (``Window.extend``), else every row. No CP form: a window layer's state is W - 1 rows, not the prompt's."""
 
     kind = "window_attention"

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ..parallel import comm
-from ..parallel.gated_delta import sharded_conv_input
 from ..plan import Split
 from ..state import LayerState, StateKind
+
+if TYPE_CHECKING:
+    from .causal_conv import CausalConv
 
 
 @dataclass
@@ -90,8 +92,8 @@ class Saves(NamedTuple):
 
     ``own``: its activations and its op's saves on this rank, pass-Q's gathered tensors excluded; ``gathered``:
     CP pass-Q's gathered queries, partial outputs and log-sum-exps (0 in one process); ``shared``: a buffer every
-    layer of the same call shape shares (the prefix-causal mask of ``ops.attention``), counted once per call size;
-    ``state_views``: of ``own + gathered``, the bytes that are views of the prompt state's own buffers (counted in
+    layer of the same call shape shares (the prefix-causal mask of ``ops.attention.prefix``), counted once per call
+    size; ``state_views``: of ``own + gathered``, the bytes that are views of the prompt state's own buffers (counted in
     the state, not again)."""
 
     own: int
@@ -150,20 +152,22 @@ def upcast_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, in
     return max(0.0, saved_row_bytes(module, width, dtype, inputs) - scaled)
 
 
-def affine_merge_bytes(call: LayerCall, backward: bool, summary_elements: int, conv_channels: int,
-                       conv_history: int) -> dict[str, int]:
-    """Collectives of a recurrent op's CP form for a prompt chunk (``call.consecutive``; none otherwise): the
-    all-gather of every rank's float32 summary of ``summary_elements`` per sequence (``parallel.gated_delta.
-    AffineMerge``) and of the last ``conv_history`` conv inputs of ``conv_channels`` (``sharded_conv_input``, model
-    dtype); the backward reduce-scatters their gradients, the tails' summed in float32."""
+def affine_merge_bytes(call: LayerCall, backward: bool, summary_elements: int) -> dict[str, int]:
+    """Collectives of a recurrent op's affine merge for a prompt chunk under CP (``call.consecutive``; none
+    otherwise): the all-gather of every rank's float32 summary of ``summary_elements`` per sequence
+    (``parallel.sequence.AffineMerge``); the backward reduce-scatters their gradients."""
     if call.cp_size == 1 or not call.consecutive:
         return {}
-    f, b = call.compute.itemsize, call.act
-    maps = call.cp_size * summary_elements * f
-    tails = call.cp_size * min(conv_history, max(call.sizes)) * conv_channels * b
-    out = {"all_gather": maps + tails}
-    if backward:
-        out["reduce_scatter"] = maps + tails * f // b
+    maps = call.cp_size * summary_elements * call.compute.itemsize
+    return {"all_gather": maps, "reduce_scatter": maps} if backward else {"all_gather": maps}
+
+
+def summed(*collectives: dict[str, int]) -> dict[str, int]:
+    """Bytes by collective kind of the parts of one call (``MixerOp.collective_bytes``), added kind by kind."""
+    out: dict[str, int] = {}
+    for part in collectives:
+        for kind, nbytes in part.items():
+            out[kind] = out.get(kind, 0) + nbytes
     return out
 
 
@@ -178,16 +182,6 @@ def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
     """A fixed-size state [1, ...] for ``batch`` sequences: itself for one, else a contiguous copy [batch, ...]
     (small: e.g. a Gated DeltaNet recurrent state; kernels such as flash-linear-attention's read it densely)."""
     return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
-
-
-def conv_input(ctx: SegmentContext, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input of a causal depthwise conv: the K-1 inputs before the segment, then ``x`` [B, C, S]; and the
-    last K-1 inputs after it (the next conv state, owning its storage). ``conv_state`` [B, C, K-1]. Under CP with
-    a split sequence the inputs before come from the previous ranks (``parallel.gated_delta.sharded_conv_input``)."""
-    if ctx.splits_sequence:
-        return sharded_conv_input(x, conv_state, ctx.group, ctx.split.query_sizes)
-    conv_in = torch.cat([conv_state, x], dim=-1)
-    return conv_in, conv_in[..., -conv_state.shape[-1] :].clone()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -220,6 +214,13 @@ class MixerOp(ABC):
     flop_class: str = "scan"  # the op class its ``flops`` run as (``flops.FLOP_CLASSES``): attention-like ops set
     # "attention"; the recurrences (and ops counting none) are "scan"
     context_parallel: bool = True  # whether ``forward`` has a CP form (``Adapter.check_context_parallel`` asks)
+    conv: CausalConv | None = None  # the causal conv in front of the mixer (``mixers.causal_conv``), None without
+
+    @property
+    def weights_read(self) -> tuple[str, ...]:
+        """Names of the layer's submodules whose weight the forward reads without calling them (its causal conv's):
+        LoRA there would be skipped, so the adapter refuses it (``lora.check_lora``)."""
+        return () if self.conv is None else self.conv.weights_read
 
     @property
     @abstractmethod

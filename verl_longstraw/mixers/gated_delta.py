@@ -1,5 +1,5 @@
 """Gated DeltaNet (qwen3_next, qwen3_5 linear-attention layers): a causal depthwise conv over q, k, v, then the
-chunked gated delta rule (``ops.gated_delta_rule``; its CP form ``parallel.gated_delta``: the state flows through
+chunked gated delta rule (``ops.gated_delta.rule``; its CP form ``ops.gated_delta.cp``: the state flows through
 the ranks by an affine merge).
 
 State: conv state [1, conv_dim, kernel - 1] (the last inputs of the conv, model dtype) and recurrent state
@@ -14,19 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gated_delta_rule import FLA_CHUNK, gated_delta_rule, kernel_path
-from ..parallel.gated_delta import sharded_gated_delta_rule
+from ..ops.gated_delta.cp import sharded_gated_delta_rule
+from ..ops.gated_delta.rule import FLA_CHUNK, gated_delta_rule, kernel_path
 from ..state import Fixed, LayerState
-from .base import (
-    LayerCall,
-    MixerOp,
-    Saves,
-    SegmentContext,
-    affine_merge_bytes,
-    conv_input,
-    per_sequence,
-    saved_row_bytes,
-)
+from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, per_sequence, saved_row_bytes, summed
+from .causal_conv import CausalConv
 
 PROJECTION_SAVES = 2.0  # q/k/v projections and conv outputs, per token in units of the key and value widths
 FLOAT32_SAVES = 8.0  # float32 q/k/v/decay intermediates of the chunked rule, per token in units of those widths
@@ -55,15 +47,13 @@ class GatedDelta(MixerOp):
     kind = "gated_delta"
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        self.module, self.conv = module, CausalConv(module)
         self.heads, self.key_heads = module.num_v_heads, module.num_k_heads
         self.k_dim, self.v_dim = module.head_k_dim, module.head_v_dim
 
     @property
     def kinds(self) -> tuple[Fixed, Fixed]:
-        m = self.module
-        conv = Fixed(shape=(1, m.conv_dim, m.conv_kernel_size - 1))
-        return conv, Fixed(shape=(1, self.heads, self.k_dim, self.v_dim), min_dtype=torch.float32)
+        return self.conv.kind, Fixed(shape=(1, self.heads, self.k_dim, self.v_dim), min_dtype=torch.float32)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Input projections -> (qkv [B, S, conv_dim], z [B, S, v_heads, v_dim], b, a [B, S, v_heads])."""
@@ -84,9 +74,8 @@ class GatedDelta(MixerOp):
         conv_state, recurrent_state = past
         batch, seq_len = x.shape[:2]
         qkv, z, b, a = self._project(x)
-        conv_in, new_conv_state = conv_input(ctx, qkv.transpose(1, 2), per_sequence(conv_state.to(qkv.dtype), batch))
-        weight = m.conv1d.weight
-        mixed = F.silu(F.conv1d(conv_in, weight, m.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
+        conv_in, new_conv_state = self.conv.inputs(ctx, qkv.transpose(1, 2), conv_state)
+        mixed = F.silu(self.conv(conv_in)).transpose(1, 2)
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q, k = q.unflatten(-1, (-1, self.k_dim)), k.unflatten(-1, (-1, self.k_dim))
         v = v.unflatten(-1, (-1, self.v_dim))
@@ -123,7 +112,7 @@ class GatedDelta(MixerOp):
 
     def _fla_token_bytes(self, value_dim: int, act: int) -> int:
         """Bytes flash-linear-attention's kernel keeps per token for values of ``value_dim`` per head
-        (``ops.gated_delta_rule.FlaShapes``): the L2-normed q, k, v, beta and the triangular solve [64] in the model
+        (``ops.gated_delta.rule.FlaShapes``): the L2-normed q, k, v, beta and the triangular solve [64] in the model
         dtype, the inverse norms and the cumulative decay in float32; no padding."""
         return (act * (2 * self.key_heads * self.k_dim + self.heads * (value_dim + FLA_CHUNK + 1))
                 + 4 * (2 * self.key_heads + self.heads))
@@ -156,10 +145,9 @@ class GatedDelta(MixerOp):
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """The affine merge of a prompt chunk's summaries and the conv inputs before each rank's tokens
-        (``mixers.base.affine_merge_bytes``)."""
-        m = self.module
+        (``mixers.base.affine_merge_bytes``, ``CausalConv.collective_bytes``)."""
         summary = self.heads * self.k_dim * (self.k_dim + self.v_dim)  # per sequence: [E | M] per head
-        return affine_merge_bytes(call, backward, summary, m.conv_dim, m.conv_kernel_size - 1)
+        return summed(affine_merge_bytes(call, backward, summary), self.conv.collective_bytes(call, backward))
 
     def flops(self, tokens: int, prefix: int) -> float:
         """7 FLOPs per state element per token: the decay of S (1), k S (2), the rank-1 update

@@ -1,5 +1,5 @@
 """Kimi Delta Attention (kimi_linear's linear layers): a causal depthwise conv over q, k, v, then the chunked KDA
-rule (``ops.kda``; its CP form ``parallel.kda``: the state flows through the ranks by an affine merge).
+rule (``ops.kda.rule``; its CP form ``ops.kda.cp``: the state flows through the ranks by an affine merge).
 
 State: conv state [1, 3 x heads x head_dim, kernel - 1] (the last inputs of the conv, model dtype) and recurrent
 state [1, heads, head_dim, head_dim] (at least float32), both ``Fixed``.
@@ -8,14 +8,14 @@ state [1, heads, head_dim, head_dim] (at least float32), both ``Fixed``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..ops.kda import chunked_rule, kda_rule, kda_torch_saved_bytes
-from ..parallel.kda import sharded_kda_rule
+from ..ops.kda.cp import sharded_kda_rule
+from ..ops.kda.rule import chunked_rule, kda_rule, kda_torch_saved_bytes
 from ..state import Fixed, LayerState
-from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, conv_input, per_sequence
+from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, per_sequence, summed
+from .causal_conv import CausalConv
 
 PROJECTION_SAVES = 10.0  # q/k/v projections, conv output and activation, gate projections, per token per head x dim
 FLOAT32_SAVES = 7.0  # the float32 forget gate and gated RMSNorm intermediates, per token per head x dim
@@ -29,28 +29,26 @@ class Kda(MixerOp):
     kind = "kda"
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        self.module, self.conv = module, CausalConv(module)
         self.heads, self.head_dim = module.num_heads, module.head_dim
 
     @property
     def kinds(self) -> tuple[Fixed, Fixed]:
-        m = self.module
-        conv = Fixed(shape=(1, m.conv_dim, m.conv_kernel_size - 1))
-        return conv, Fixed(shape=(1, self.heads, self.head_dim, self.head_dim), min_dtype=torch.float32)
+        return self.conv.kind, Fixed(shape=(1, self.heads, self.head_dim, self.head_dim), min_dtype=torch.float32)
 
     def forward(self, x, ctx: SegmentContext, past: LayerState, need_output: bool):
         """Over segment ``x`` [B, S, hidden] continuing (conv_state, recurrent_state) [1, ...] (copied per sequence
         for B > 1), the ops of the model's module: q, k, v through the causal conv and its activation, the
-        per-channel forget gate and sigmoid beta, the chunked rule with q, k L2-normalised (``ops.kda.chunked_rule``),
-        the sigmoid-gated RMSNorm, o_proj. The new conv state owns its storage; the recurrent state stays float32."""
+        per-channel forget gate and sigmoid beta, the chunked rule with q, k L2-normalised
+        (``ops.kda.rule.chunked_rule``), the sigmoid-gated RMSNorm, o_proj. The new conv state owns its storage; the
+        recurrent state stays float32."""
         m = self.module
         conv_state, recurrent_state = past
         batch, seq_len = x.shape[:2]
         heads_shape = (batch, seq_len, -1, self.head_dim)
         qkv = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)
-        conv_in, new_conv_state = conv_input(ctx, qkv.transpose(1, 2), per_sequence(conv_state.to(qkv.dtype), batch))
-        weight = m.conv1d.weight
-        mixed = ACT2FN[m.activation](F.conv1d(conv_in, weight, m.conv1d.bias, groups=weight.shape[0]))
+        conv_in, new_conv_state = self.conv.inputs(ctx, qkv.transpose(1, 2), conv_state)
+        mixed = ACT2FN[m.activation](self.conv(conv_in))
         q, k, v = (t.reshape(heads_shape) for t in torch.split(mixed.transpose(1, 2), [m.qkv_dim] * 3, dim=-1))
         beta = torch.sigmoid(m.b_proj(x))
         rule, initial = chunked_rule(m, q.dtype), per_sequence(recurrent_state, batch)
@@ -82,10 +80,9 @@ class Kda(MixerOp):
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """The affine merge of a prompt chunk's summaries and the conv inputs before each rank's tokens
-        (``mixers.base.affine_merge_bytes``)."""
-        m = self.module
+        (``mixers.base.affine_merge_bytes``, ``CausalConv.collective_bytes``)."""
         summary = self.heads * self.head_dim * 2 * self.head_dim  # per sequence: [E | M] per head
-        return affine_merge_bytes(call, backward, summary, m.conv_dim, m.conv_kernel_size - 1)
+        return summed(affine_merge_bytes(call, backward, summary), self.conv.collective_bytes(call, backward))
 
     def flops(self, tokens: int, prefix: int) -> float:
         """7 FLOPs per state element per token, as the gated delta rule (``mixers.gated_delta``)."""

@@ -1,5 +1,5 @@
 """Mamba2 (nemotron_h, granitemoehybrid): in_proj -> (gate, xBC, dt), a causal depthwise conv over xBC, the chunked
-SSD scan with the skip term D (``ops.ssd_scan``; its CP form ``parallel.ssd``: the state flows through the ranks by
+SSD scan with the skip term D (``ops.mamba2.ssd``; its CP form ``ops.mamba2.cp``: the state flows through the ranks by
 an affine merge), the gated RMSNorm and out_proj.
 
 State: conv state [1, conv_dim, kernel - 1] (the last inputs of the conv, model dtype) and SSM state
@@ -9,13 +9,13 @@ State: conv state [1, conv_dim, kernel - 1] (the last inputs of the conv, model 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.ssd_scan import model_chunk_scan, ssd_scan, ssd_torch_saved_bytes, step_sizes
-from ..parallel.ssd import sharded_ssd_scan
+from ..ops.mamba2.cp import sharded_ssd_scan
+from ..ops.mamba2.ssd import model_chunk_scan, ssd_scan, ssd_torch_saved_bytes, step_sizes
 from ..state import Fixed, LayerState
-from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, conv_input, per_sequence
+from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, per_sequence, summed
+from .causal_conv import CausalConv
 
 PROJECTION_SAVES = 6.0  # in_proj output, conv output and activation, the gated norm's saves, per token per head x dim
 SUMMARY_SAVES = 0.4  # of the chunked scan's saves, what the CP summary scan keeps once its output is dropped
@@ -29,17 +29,14 @@ class Mamba2(MixerOp):
     kind = "mamba2"
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        self.module, self.conv = module, CausalConv(module)
         self.heads, self.head_dim = module.num_heads, module.head_dim
         self.groups, self.state_size, self.scan_chunk = module.n_groups, module.ssm_state_size, module.chunk_size
         self.scan = model_chunk_scan(module)  # raises for a release whose mixer has no chunk scan
 
     @property
     def kinds(self) -> tuple[Fixed, Fixed]:
-        m = self.module
-        conv = Fixed(shape=(1, m.conv_dim, m.conv_kernel_size - 1))
-        ssm = Fixed(shape=(1, self.heads, self.head_dim, self.state_size), min_dtype=torch.float32)
-        return conv, ssm
+        return self.conv.kind, Fixed(shape=(1, self.heads, self.head_dim, self.state_size), min_dtype=torch.float32)
 
     def forward(self, x, ctx: SegmentContext, past: LayerState, need_output: bool):
         """Over segment ``x`` [B, S, hidden] continuing (conv_state, ssm_state) [1, ...] (copied per sequence for
@@ -48,9 +45,8 @@ class Mamba2(MixerOp):
         conv_state, ssm_state = past
         batch, seq_len = x.shape[:2]
         gate, xbc, dt = m.in_proj(x).split([m.intermediate_size, m.conv_dim, self.heads], dim=-1)
-        conv_in, new_conv_state = conv_input(ctx, xbc.transpose(1, 2), per_sequence(conv_state.to(xbc.dtype), batch))
-        weight = m.conv1d.weight
-        xbc = m.act(F.conv1d(conv_in, weight, m.conv1d.bias, groups=weight.shape[0])).transpose(1, 2)
+        conv_in, new_conv_state = self.conv.inputs(ctx, xbc.transpose(1, 2), conv_state)
+        xbc = m.act(self.conv(conv_in)).transpose(1, 2)
         group_width = self.groups * self.state_size
         hidden, B, C = torch.split(xbc, [m.intermediate_size, group_width, group_width], dim=-1)
         args = (
@@ -91,10 +87,9 @@ class Mamba2(MixerOp):
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """The affine merge of a prompt chunk's summaries and the conv inputs before each rank's tokens
-        (``mixers.base.affine_merge_bytes``)."""
-        m = self.module
+        (``mixers.base.affine_merge_bytes``, ``CausalConv.collective_bytes``)."""
         summary = self.heads * self.head_dim * (self.state_size + self.head_dim)  # per sequence: [E | M] per head
-        return affine_merge_bytes(call, backward, summary, m.conv_dim, m.conv_kernel_size - 1)
+        return summed(affine_merge_bytes(call, backward, summary), self.conv.collective_bytes(call, backward))
 
     def flops(self, tokens: int, prefix: int) -> float:
         """5 FLOPs per state element per token: the decay of h (1), the update h + dt x B^T (2), h C (2)."""

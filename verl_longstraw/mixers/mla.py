@@ -6,8 +6,8 @@ decompressed per-head K/V); for DSA layers that run their own indexer also the i
 
 Attention runs in absorbed form: query heads are projected into latent space through the key half of ``kv_b_proj``,
 attend to the latent (one shared key/value head), and the result leaves latent space through the value half: the
-call shape and costs of ``mixers.attention.RowAttention``. ``LatentAttention.absorbed = False`` decompresses K/V per
-head instead (the reference the tests compare against).
+call shape and costs of ``mixers.attention.RowAttention``. The plain form, K/V decompressed per head, is the reference
+beside the op (``ops.mla.reference``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ import torch
 from torch import nn
 
 from ..lora import linear_weights
-from ..ops.attention import prefix_causal_attention_reference
-from ..ops.dsa_topk import KEY_BLOCK
-from ..parallel.dsa import (
+from ..ops.dsa.cp import (
     QUERY_BLOCK,
     keeps_every_key,
     most_keys_seen,
     selection_collective_bytes,
     sharded_dsa_topk_mask,
 )
+from ..ops.dsa.topk import KEY_BLOCK
 from ..state import LayerState, Rows
 from .attention import RowAttention, attend
 from .base import LayerCall, Saves, SegmentContext, apply_rope
@@ -58,7 +57,7 @@ def _sparse_selection(
     indexer: nn.Module, x, q_resid, past_keys, keys, ctx: SegmentContext, interleaved: bool
 ) -> torch.Tensor | None:
     """Bool key mask of each query's top-k keys by indexer score (DSA), causal, or None where top-k keeps every
-    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``parallel.dsa``), [B, S, P + S]
+    key: [S, P + S] in one process, [sum(query_sizes), P_r + S] on a CP rank (``ops.dsa.cp``), [B, S, P + S]
     for B > 1 sequences of ``x`` after one prefix (each selected alone, as one sequence would be); ``past_keys``
     [1, P(_r), index_head_dim] and ``keys`` [B, S, index_head_dim] the indexer keys of the prefix and segment.
     Whether top-k keeps every key is asked first, before the query projection and the float32 copy of the prefix
@@ -137,12 +136,12 @@ class LatentAttention(RowAttention):
 
     kind = "mla"
     flop_class = "attention"
-    absorbed = True
     state_only_saves = STATE_ONLY_SAVES
 
     def __init__(self, module: nn.Module, config, sparse: bool, runs_indexer: bool, selection_source: int):
         self.module, self.sparse, self.runs_indexer = module, sparse, runs_indexer
         self.selection_source = selection_source
+        self.index_topk = config.index_topk if sparse else None  # the keys DSA's selection keeps per query
         self.interleaved = rope_is_interleaved(config, module)
         self.indexer_interleaved = rope_is_interleaved(config, module.indexer) if runs_indexer else False
         rank, rope = module.kv_lora_rank, module.qk_rope_head_dim
@@ -160,11 +159,15 @@ class LatentAttention(RowAttention):
         per_head = self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
         return act * LATENT_SAVES * (self.q_heads * self.qk_dim + per_head + (m.q_lora_rank or 0) + m.kv_lora_rank)
 
+    def masks_keys(self, call: LayerCall) -> bool:
+        """Whether the call's attention reads a DSA key mask: a sparse layer whose top-k does not keep every key a
+        query sees (``ops.dsa.cp.most_keys_seen``)."""
+        return self.sparse and most_keys_seen(call.group_prefix, call.sizes, call.consecutive) > self.index_topk
+
     def selects(self, call: LayerCall) -> bool:
         """Whether this layer makes a DSA selection in ``call``: it runs its own indexer, its output is needed and
-        top-k does not keep every key (``parallel.dsa.most_keys_seen``)."""
-        return (self.runs_indexer and call.need_output
-                and most_keys_seen(call.group_prefix, call.sizes, call.consecutive) > self.module.indexer.index_topk)
+        its attention reads a key mask (``masks_keys``)."""
+        return self.runs_indexer and call.need_output and self.masks_keys(call)
 
     def selection_bytes(self, call: LayerCall) -> int:
         """Where the layer ``selects``: its key mask (bool [batch, queries of all ranks, this rank's prefix rows +
@@ -181,7 +184,7 @@ class LatentAttention(RowAttention):
     def selection_transient_bytes(self, call: LayerCall) -> int:
         """Where the layer ``selects``, what making the selection holds besides the mask: the indexer queries and
         weights of every rank's tokens (float32 [batch x queries, heads, head dim + 1]) and one query block's
-        running top-k and scores (``parallel.dsa.QUERY_BLOCK`` rows of int64 sort keys, 3 x (top-k + key block),
+        running top-k and scores (``ops.dsa.cp.QUERY_BLOCK`` rows of int64 sort keys, 3 x (top-k + key block),
         and two bool rows over this rank's keys); else 0."""
         if not self.selects(call):
             return 0
@@ -204,9 +207,9 @@ class LatentAttention(RowAttention):
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """``RowAttention``'s, and where a layer running its own DSA indexer selects keys under CP (its output is
-        needed and top-k does not keep every key: ``parallel.dsa.keeps_every_key``) the selection's, forward only
+        needed and top-k does not keep every key: ``ops.dsa.cp.keeps_every_key``) the selection's, forward only
         (no autograd): all-gathers of the indexer queries R L Hi Di and weights R L Hi (float32; L = max n_r) and
-        the threshold search's all-reduces (``parallel.dsa.selection_collective_bytes``)."""
+        the threshold search's all-reduces (``ops.dsa.cp.selection_collective_bytes``)."""
         out = super().collective_bytes(call, backward)
         if call.cp_size == 1 or not self.selects(call):
             return out
@@ -251,32 +254,18 @@ class LatentAttention(RowAttention):
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, self.interleaved)
 
         w_kv = linear_weights(attn.kv_b_proj)[0].view(heads, nope + attn.v_head_dim, rank)  # LoRA's delta too
-        w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
-        if self.absorbed:
-            query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
-            prefix, own = past[0][:, None], segment[:, None]  # one shared key head: [1, 1, P, .], [B, 1, S, .]
-            out = attend(ctx, query, prefix, prefix[..., :rank], own, own[..., :rank], attn.scaling, key_mask=mask)
-            out = torch.einsum("bhsr,hvr->bhsv", out, w_v)
-        else:  # the reference, one sequence at a time
-            masks = mask if mask is not None and mask.dim() == 3 else [mask] * len(x)
-            out = torch.cat([
-                self._decompressed_attention(q_nope[b : b + 1], q_rope[b : b + 1],
-                                             torch.cat([past[0], segment[b : b + 1]], dim=1), masks[b], w_k, w_v)
-                for b in range(len(x))
-            ])
+        out = self.attend_latent(ctx, q_nope, q_rope, past[0], segment, w_kv[:, :nope], w_kv[:, nope:], mask)
         out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
         return attn.o_proj(out), (segment, *extra_state)
 
-    def _decompressed_attention(self, q_nope, q_rope, state, mask, w_k, w_v) -> torch.Tensor:
-        """Reference: per-head K/V decompressed from the latent of every key [1, P + S, rank + rope]."""
-        attn = self.module
-        latent, k_rope = state[..., : attn.kv_lora_rank], state[..., attn.kv_lora_rank :]
-        k_nope = torch.einsum("btr,hnr->bhtn", latent, w_k)
-        v = torch.einsum("btr,hvr->bhtv", latent, w_v)
-        k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        query = torch.cat([q_nope, q_rope], dim=-1)
-        prefix_len = k.shape[2] - query.shape[2]
-        return prefix_causal_attention_reference(
-            query, k[:, :, :prefix_len], v[:, :, :prefix_len], k[:, :, prefix_len:], v[:, :, prefix_len:],
-            attn.scaling, key_mask=mask,
-        )
+    def attend_latent(self, ctx: SegmentContext, q_nope, q_rope, prefix, segment, w_k, w_v,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention in absorbed form (shapes as ``ops.mla.reference.decompressed_latent_attention``, which it
+        equals): the queries' nope part projected into latent space through ``w_k``, attending (``attend``) to the
+        latent rows as one shared key head whose values are the latent, the result leaving latent space through
+        ``w_v``: [B, H, S, v_dim]."""
+        rank = self.module.kv_lora_rank
+        query = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rope], dim=-1)
+        prefix, own = prefix[:, None], segment[:, None]  # one shared key head: [1, 1, P, .], [B, 1, S, .]
+        out = attend(ctx, query, prefix, prefix[..., :rank], own, own[..., :rank], self.module.scaling, key_mask=mask)
+        return torch.einsum("bhsr,hvr->bhsv", out, w_v)

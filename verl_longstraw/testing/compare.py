@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from verl_longstraw import Knobs, group_backward, group_log_probs
-from verl_longstraw.ops.gated_delta_rule import gated_delta_rule_reference
-from verl_longstraw.ops.kda import kda_reference
+from verl_longstraw.ops.gated_delta.rule import gated_delta_rule_reference
+from verl_longstraw.ops.kda.rule import kda_reference
 
 Grads = dict[str, torch.Tensor]
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -124,7 +124,7 @@ def no_worse_than_standard(errors: dict[str, float], dtype: torch.dtype) -> bool
 def _reference_chunk_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                           use_qk_l2norm_in_kernel=False, **_):
     """transformers' ``chunk_gated_delta_rule`` call over the token-by-token reference recurrence (float32
-    arithmetic, float64 for float64 inputs; shapes in ``ops.gated_delta_rule``)."""
+    arithmetic, float64 for float64 inputs; shapes in ``ops.gated_delta.rule``)."""
     out, state = gated_delta_rule_reference(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
     return out, (state if output_final_state else None)
 
@@ -198,9 +198,9 @@ KDA_RULE = "chunk_kimi_delta_attention"  # the global transformers' Kimi Delta A
 
 def _reference_kda_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, **_):
-    """transformers' ``chunk_kimi_delta_attention`` call over the token-by-token recurrence ``ops.kda.kda_reference``
-    in float32 arithmetic (float64 for float64 inputs), as the model's rule computes: (output [B, S, H, Dv] in q's
-    dtype, final state [B, H, Dk, Dv] or None)."""
+    """transformers' ``chunk_kimi_delta_attention`` call over the token-by-token recurrence
+    ``ops.kda.rule.kda_reference`` in float32 arithmetic (float64 for float64 inputs), as the model's rule computes:
+    (output [B, S, H, Dv] in q's dtype, final state [B, H, Dk, Dv] or None)."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     state = None if initial_state is None else initial_state.to(dtype)
     out, final = kda_reference(*(t.to(dtype) for t in (q, k, v, g, beta)), initial_state=state,
@@ -234,7 +234,7 @@ def reference_linear_attention(model) -> Iterator[None]:
     """Inside, the model's own (standard-path) Gated DeltaNet and Kimi Delta Attention are the token-by-token
     reference recurrences (algorithms independent of the chunked ones replay uses), restored on exit: gpu_check's
     standard path then never runs fla's TF32 kernels, whatever transformers picked. Gated DeltaNet: every model of
-    the same transformers module is affected while inside (replay runs ``ops.gated_delta_rule``); KDA: the forward
+    the same transformers module is affected while inside (replay runs ``ops.gated_delta.rule``); KDA: the forward
     of ``model``'s mixers (replay calls the model's rule outside it). Copies made inside keep the reference."""
     places = _linear_attention_kernels(model)
     found = [(owner, name, getattr(owner, name)) for owner, name in places]

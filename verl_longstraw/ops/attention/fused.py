@@ -1,6 +1,6 @@
 """Prefix attention from fused flash-attention kernel calls merged by their logsumexp.
 
-Shapes as ``verl_longstraw.ops.attention``: ``q`` [B, Hq, N, D]; ``k_prefix``/``v_prefix`` [B, Hk, P, D] or
+Shapes as ``verl_longstraw.ops.attention.prefix``: ``q`` [B, Hq, N, D]; ``k_prefix``/``v_prefix`` [B, Hk, P, D] or
 [1, Hk, P, D] (one prefix shared by the B sequences: its kernel call takes the B*N queries as rows of one
 batch-1 query, so the prefix is never copied per sequence);
 ``k_self``/``v_self`` [B, Hk, T, D] (value dim == key dim); Hq a multiple of Hk (the kernels share key
@@ -15,7 +15,7 @@ that contains this call's keys (the ring-attention identity: p = exp(s - lse) an
 then that set's), which yields exactly this call's dK/dV and its share of dQ. With the call's own merged output
 and logsumexp that is the gradient of ``prefix_causal_attention_fused``; with the output and logsumexp over the
 keys of every rank of a context-parallel group it is a rank's share of the sharded op
-(``parallel.attention``), which therefore never needs a gradient of the logsumexp. The same identity lets the
+(``ops.attention.cp``), which therefore never needs a gradient of the logsumexp. The same identity lets the
 backward split the prefix keys into blocks of bounded bytes (``BACKWARD_BLOCK_BYTES``), one kernel call each, so
 its transients (``fused_backward_transient_bytes``) do not grow with the prefix; the forward makes one call per
 part. Saved are the inputs, the output and the logsumexp, as in the blocked op. The query gradient is summed in
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-from ..fake_cuda import is_fake
-from .blocked_attention import OWN_SEGMENT, OwnKeyRule, autocast_off, compute_dtype
+from ...fake_cuda import is_fake
+from .blocked import OWN_SEGMENT, OwnKeyRule, autocast_off, compute_dtype
 
 FUSED_PATHS = {"cpu": "fused_flash_cpu", "cuda": "fused_flash_cuda"}  # per device: the path name the dispatch counts
 
@@ -313,7 +313,7 @@ def fused_partial_backward(
     own_keys)`` (which returned ``extras``) given d(output) ``grad_out`` [B, Hq, N, D] of an attention whose output
     ``out`` [B, Hq, N, D] and logsumexp ``lse`` [B, Hq, N] are over these keys and possibly others (see the module
     docstring). ``lse`` must be finite on every row that sees one of these keys; N > 0 (as ``fused_dtype`` and
-    ``parallel.attention`` ensure), so every key is in some kernel call and every gradient row gets written.
+    ``ops.attention.cp`` ensure), so every key is in some kernel call and every gradient row gets written.
 
     d(q) is in ``compute_dtype(dtype)`` (float32 for half inputs, whatever q's dtype): the sum of the kernel calls'
     shares, which the caller rounds to q's dtype once, after adding whatever else it sums (other ranks' shares).

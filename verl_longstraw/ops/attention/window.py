@@ -9,23 +9,24 @@ transformers' sliding-window mask); None: every earlier key. ``sinks`` [Hq] (Non
 head in the softmax denominator with no value, i.e. the attention output scaled by sigmoid(lse - sink).
 
 The fast path, ``window_attention``: a layer over every earlier key (window None: gpt-oss's full layers) runs on the
-fused flash kernels where they take its inputs (``window_attention_fused_dtype``; ``ops.fused_attention``, the sinks
-one more key set of its logsumexp merge). Otherwise three disjoint key sets merged by their logsumexps (``ops.attention.
-lse_weight``), the sinks a set of their own with output 0: the queries that can still see the past (the first
-W - 1) over the past rows, as rows of one batch-1 query when the past is shared; and each block of queries over the
-own keys of its window. Each part is ``ops.attention.partial_attention`` (dense while small, else the blocked
-online-softmax op), so no mask or score matrix is larger than a query block x (block + W) and the memory is linear
-in T. ``window_attention_reference`` is the plain form (one score matrix with an explicit mask and a sink column,
-as the models' eager attention computes it); ``window_attention_saved_bytes`` what the fast path saves.
+fused flash kernels where they take its inputs (``window_attention_fused_dtype``; ``ops.attention.fused``, the sinks
+one more key set of its logsumexp merge). Otherwise three disjoint key sets merged by their logsumexps
+(``ops.attention.prefix.lse_weight``), the sinks a set of their own with output 0: the queries that can still see
+the past (the first W - 1) over the past rows, as rows of one batch-1 query when the past is shared; and each block
+of queries over the own keys of its window. Each part is ``ops.attention.prefix.partial_attention`` (dense while
+small, else the blocked online-softmax op), so no mask or score matrix is larger than a query block x (block + W)
+and the memory is linear in T. ``window_attention_reference`` is the plain form (one score matrix with an explicit
+mask and a sink column, as the models' eager attention computes it); ``window_attention_saved_bytes`` what the fast
+path saves.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import ATTENTION_PATHS, lse_weight, partial_attention, partial_attention_saved_bytes
-from .blocked_attention import compute_dtype
-from .fused_attention import FUSED_PATHS, planned_fused_dtype, prefix_causal_attention_fused
+from .blocked import compute_dtype
+from .fused import FUSED_PATHS, planned_fused_dtype, prefix_causal_attention_fused
+from .prefix import ATTENTION_PATHS, lse_weight, partial_attention, partial_attention_saved_bytes
 
 QUERY_BLOCK = 1024  # queries per own-key call of a windowed layer (at least the window)
 
@@ -53,7 +54,7 @@ def window_attention_fused_dtype(device_type: str, dtype: torch.dtype, q_heads: 
                                  v_dim: int, window: int | None) -> torch.dtype | None:
     """The dtype the fused kernels run a layer of these inputs in, None where ``window_attention`` takes its
     partial-attention parts instead: a sliding window (the kernels' masks are causal only), or inputs the kernels do
-    not take (``ops.fused_attention.planned_fused_dtype``, asked of the device where this process has one). The op
+    not take (``ops.attention.fused.planned_fused_dtype``, asked of the device where this process has one). The op
     and the estimate (``window_attention_saved_bytes``, the fused backward's transients) both ask this."""
     if window is not None:
         return None
@@ -134,8 +135,8 @@ def window_attention_saved_bytes(batch: int, q_heads: int, kv_heads: int, qk_dim
     ``queries`` after ``past`` rows (``past_shared``: a batch-1 past serving the batch), inputs of ``dtype``, with
     ``sinks`` or not. On the fused kernels (``window_attention_fused_dtype``): the output (``dtype``) and its
     logsumexp (``compute_dtype``), the output also being the caller's next input. Otherwise each
-    ``partial_attention`` call's (``ops.attention.partial_attention_saved_bytes``), and where there is more than one
-    key set (the past, the own keys, the sinks) the merge's: each set's output and ``lse_weight``'s saves.
+    ``partial_attention`` call's (``ops.attention.prefix.partial_attention_saved_bytes``), and where there is more than
+    one key set (the past, the own keys, the sinks) the merge's: each set's output and ``lse_weight``'s saves.
     The own keys/values are the caller's activations and the past rows the state, counted by their owners."""
     compute = compute_dtype(dtype).itemsize
     if queries and window_attention_fused_dtype(device_type, dtype, q_heads, kv_heads, qk_dim, v_dim,

@@ -24,7 +24,7 @@ dims 576/512, which no fused kernel takes).
 
 ``prefix_causal_attention_blocked`` is the single-segment op (output only, in q's dtype), with
 the signature and semantics of ``prefix_causal_attention_reference`` in
-``verl_longstraw.ops.attention``; ``partial_attention_reference`` there is the plain reference
+``verl_longstraw.ops.attention.prefix``; ``partial_attention_reference`` there is the plain reference
 of the general op. Tests compare each with its reference.
 """
 

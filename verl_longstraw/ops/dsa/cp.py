@@ -1,6 +1,6 @@
 """DSA top-k key selection for a segment split over a CP group, over a prefix whose rows are split too.
 
-One process (``ops.dsa_topk``) gives each query its ``topk`` best visible keys by indexer score,
+One process (``ops.dsa.topk``) gives each query its ``topk`` best visible keys by indexer score,
 ties to the earlier key. Under CP the keys a query sees lie on every rank: each rank's prefix rows
 and, in a capture chunk, the own keys of the earlier ranks. On every rank r:
 
@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.dsa_topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
-from ..plan import Split
-from .comm import Group, all_gather, all_reduce_sum, group_rank
+from ...parallel.comm import Group, all_gather, all_reduce_sum, group_rank
+from ...plan import Split
+from .topk import KEY_BLOCK, dsa_topk_mask, sort_key_position, top_sort_keys
 
 QUERY_BLOCK = 4096  # queries selected at a time: 16 all-reduces each; temporaries O(QUERY_BLOCK x (topk + key block))
 _DIGIT_BITS = 4  # ``kth_largest`` finds a sort key 4 bits at a time: 16 rounds of a 16-bin int32 histogram
@@ -76,7 +76,7 @@ def sharded_dsa_topk_mask(
     ``query_sizes[r]``, P_r = ``prefix_sizes[r]``). Returns [N, P_r + T_r]: for every query of every rank
     (rank order, N = sum(query_sizes)) its selected keys among this rank's prefix rows, then own keys,
     visible ones only. ``split`` None: one process (``group`` unread), ``dsa_topk_mask`` [T, P + T]. Index scores are in
-    the ``ops.dsa_topk`` docstring.
+    the ``ops.dsa.topk`` docstring.
     """
     if keeps_every_key(k_prefix.shape[0], k_self.shape[0], topk, split):
         return None

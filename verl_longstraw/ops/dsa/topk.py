@@ -13,7 +13,7 @@ chosen visible keys.
 ``dsa_topk_mask_reference`` scores every key at once: a [S, H, T] float32 temporary.
 ``dsa_topk_mask`` scores ``key_block`` keys at a time, summing over heads as it goes, and keeps a
 running top-k: temporaries O(S x (topk + key_block)) besides the [S, T] bool result.
-``top_sort_keys`` is that running top-k for keys at any positions (``parallel.dsa`` merges the
+``top_sort_keys`` is that running top-k for keys at any positions (``ops.dsa.cp`` merges the
 top-k of the keys each rank of a context-parallel group holds).
 """
 

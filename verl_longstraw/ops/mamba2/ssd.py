@@ -28,7 +28,7 @@ import transformers
 from packaging.version import Version
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 ChunkScan = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

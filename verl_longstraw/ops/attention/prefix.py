@@ -9,7 +9,7 @@ attend) optionally restricts the keys further, e.g. DSA's sparse top-k selection
 
 ``partial_attention`` is the general form the context-parallel op builds on: N query rows over
 the prefix and the own keys an ``OwnKeyRule`` lets them see, returning the output and its
-logsumexp (shapes in ``verl_longstraw.ops.blocked_attention``).
+logsumexp (shapes in ``verl_longstraw.ops.attention.blocked``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .blocked_attention import (
+from .blocked import (
     OWN_SEGMENT,
     OwnKeyRule,
     check_key_mask,
@@ -30,7 +30,7 @@ from .blocked_attention import (
     partial_attention_blocked,
     prefix_causal_attention_blocked,
 )
-from .fused_attention import FUSED_PATHS, fused_dtype, prefix_causal_attention_fused
+from .fused import FUSED_PATHS, fused_dtype, prefix_causal_attention_fused
 
 
 def prefix_causal_mask(
@@ -155,7 +155,7 @@ ATTENTION_PATHS: Counter[str] = Counter()  # calls of prefix_causal_attention pe
 
 def blocked_path_name(q: torch.Tensor) -> str:
     """How ``ATTENTION_PATHS`` names the blocked op for queries like ``q``: ``blocked``, or ``blocked_half_matmul``
-    where its matmuls take half operands (``ops.blocked_attention.matmul_dtype``: fp16/bf16 on CUDA)."""
+    where its matmuls take half operands (``ops.attention.blocked.matmul_dtype``: fp16/bf16 on CUDA)."""
     return "blocked" if matmul_dtype(q) == compute_dtype(q.dtype) else "blocked_half_matmul"
 
 
@@ -164,7 +164,7 @@ class AttentionCall(NamedTuple):
     tokens with ``q_heads`` query heads of dim ``qk_dim``, after ``prefix`` rows of ``kv_heads`` key heads
     (values of dim ``v_dim``); ``shared_prefix``: the prefix tensors have batch 1 and serve all ``batch``
     sequences; ``key_mask``: a key mask is given; inputs of ``dtype``; ``fused``: the dtype the fused kernels
-    compute these inputs in (``ops.fused_attention.fused_kernel_dtype``), None where they do not take them."""
+    compute these inputs in (``ops.attention.fused.fused_kernel_dtype``), None where they do not take them."""
 
     batch: int
     q_heads: int

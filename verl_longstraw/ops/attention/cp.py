@@ -10,16 +10,17 @@ Pass-Q (queries travel, keys stay) with a log-sum-exp merge. On every rank r:
    sum over ranks of exp(l_j - L) o_j is the softmax over all keys.
 
 Two implementations of step 2 and of the backward, chosen from replicated facts only (dtype, head counts and
-dims, device, whether a key mask is given), so every rank takes the same one:
+dims, device, whether a key mask is given) by ``sharded_attention_path``, which the layer's costs ask too
+(``mixers.attention.RowAttention.pass_q_path``), so every rank takes the same one and the estimate prices it:
 
 - fused (``_ShardedFusedAttention``; value dim == key dim, no key mask, where ``fused_kernel_dtype`` takes the
-  inputs): flash-attention kernel calls (``ops.fused_attention``). Backward: all-gather of every rank's
+  inputs): flash-attention kernel calls (``ops.attention.fused``). Backward: all-gather of every rank's
   d(output) and output, the kernels' backward over the local keys given the global output and L, reduce-scatter
   of d(queries) in float32 (``compute_dtype``: the kernels' shares are summed in it on each rank, then over the
   ranks, and rounded to q's dtype once): five collectives per call. Transient bytes of that backward:
   ``sharded_fused_backward_transient_bytes``.
 - blocked (MLA's value dim != key dim, DSA's key mask, or a ``block_size`` given): the blocked partial attention
-  (``ops.blocked_attention.partial_attention_blocked``, whose backward takes d(output) and d(logsumexp)) between
+  (``ops.attention.blocked.partial_attention_blocked``, whose backward takes d(output) and d(logsumexp)) between
   differentiable collectives (``parallel.comm``), so the backward is autograd's: all-gather of d(output),
   reduce-scatter of d(logsumexp), the partial attention's backward, reduce-scatter of d(queries): six
   collectives per call. The d(queries) reduce-scatter sums in float32 too (``comm.all_gather``'s backward), but
@@ -39,26 +40,34 @@ in float32.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
-from ..ops.attention import ATTENTION_PATHS, blocked_path_name, key_block_size, lse_weight, prefix_causal_attention
-from ..ops.blocked_attention import (
+from ...parallel.comm import (
+    Group,
+    all_gather,
+    gather_padded,
+    group_rank,
+    group_size,
+    reduce_scatter,
+    reduce_scatter_padded,
+)
+from .blocked import (
     OwnKeyRule,
     autocast_off,
     compute_dtype,
     partial_attention_blocked,
     planned_matmul_dtype,
 )
-from ..ops.fused_attention import (
+from .fused import (
     FUSED_PATHS,
     fused_backward_transient_bytes,
     fused_kernel_dtype,
     fused_partial_backward,
     fused_partial_forward,
 )
-from .comm import Group, all_gather, gather_padded, group_rank, group_size, reduce_scatter, reduce_scatter_padded
+from .prefix import ATTENTION_PATHS, blocked_path_name, key_block_size, lse_weight, prefix_causal_attention
 
 
 def _check_sizes(
@@ -87,6 +96,20 @@ def _check_sizes(
         )
 
 
+PassQPath = Literal["fused", "blocked"]
+
+
+def sharded_attention_path(fused_dtype: torch.dtype | None, queries: int, masked: bool = False,
+                           block_size: int | None = None) -> PassQPath:
+    """The path ``sharded_prefix_attention`` takes for ``queries`` gathered queries (all ranks') whose inputs the
+    fused kernels compute in ``fused_dtype`` (``ops.attention.fused.fused_kernel_dtype``, or ``planned_fused_dtype``
+    for a device this process need not have; None where they do not take them): "fused" unless a key mask is given
+    (``masked``: DSA's selection), a ``block_size`` forces the blocked op, the kernels do not take the inputs, or
+    there are no queries; else "blocked". Replicated facts only, so every rank decides alike."""
+    fused = fused_dtype is not None and not masked and block_size is None and queries > 0
+    return "fused" if fused else "blocked"
+
+
 def sharded_prefix_attention(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
@@ -112,7 +135,7 @@ def sharded_prefix_attention(
     causally). ``key_mask`` bool [sum(query_sizes), P_r + T_r]: which of this rank's keys (prefix
     rows, then own keys) each query of every rank (in rank order) may see, on top of those rules.
     ``block_size``: keys scored at a time by the blocked partial attention (None: the fused kernels where they
-    take the inputs, else ``ops.attention.key_block_size``; an int forces the blocked op).
+    take the inputs, else ``ops.attention.prefix.key_block_size``; an int forces the blocked op).
     Either way the partial attention is never the dense op, even for small inputs: the dense
     op saves score-sized tensors [B, Hq, N, P_r + T_r] for backward, and N holds the queries of all R ranks,
     so at P_r = P / R they are as large as one process's scores over the whole prefix (the memory context
@@ -130,7 +153,7 @@ def sharded_prefix_attention(
     rank = group_rank(group)
     own_keys = OwnKeyRule(start=sum(query_sizes[:rank]), later_rows_see_all=causal_across_ranks)
     dtype = fused_kernel_dtype(q.device, q.dtype, q.shape[1], k_self.shape[1], q.shape[-1], v_self.shape[-1])
-    if key_mask is None and block_size is None and dtype is not None and sum(query_sizes) > 0:
+    if sharded_attention_path(dtype, sum(query_sizes), key_mask is not None, block_size) == "fused":
         ATTENTION_PATHS["sharded_" + FUSED_PATHS[q.device.type]] += 1
         return _ShardedFusedAttention.apply(
             q, k_prefix, v_prefix, k_self, v_self, scale, dtype, group, tuple(query_sizes), own_keys
@@ -167,7 +190,7 @@ def sharded_attention_saved_bytes(
     own_kv_bytes: int,
 ) -> PassQSaves:
     """What ``sharded_prefix_attention`` saves on one of ``world`` ranks for ``gathered_queries`` queries of all
-    ranks (one sequence, inputs of ``dtype``), ``fused``: on the fused kernels (``ops.fused_attention.
+    ranks (one sequence, inputs of ``dtype``), ``fused``: on the fused kernels (``ops.attention.fused.
     fused_kernel_dtype`` takes the inputs), else the blocked op. Gathered: the queries [Hq, N, D] in ``dtype`` and
     the merged logsumexp L [Hq, N]; on the blocked path also the partial outputs [Hq, N, Dv], this rank's and
     the R gathered logsumexps and each rank's weight, in the arithmetic dtype. Local: ``prefix_buffer_bytes`` (the
@@ -178,7 +201,7 @@ def sharded_attention_saved_bytes(
 
 
 class _ShardedFusedAttention(torch.autograd.Function):
-    """Pass-Q over the fused kernels (``ops.fused_attention``), with the collectives written out.
+    """Pass-Q over the fused kernels (``ops.attention.fused``), with the collectives written out.
 
     Forward: all-gather the queries, the local fused partial attention (output, logsumexp l_r), all-gather the
     logsumexps (L = their logsumexp over ranks), reduce-scatter exp(l_r - L) o_r to the query owners. Backward:
@@ -217,7 +240,7 @@ def _gathered_outputs(
     grad_mine: torch.Tensor, mine: torch.Tensor, query_sizes: tuple[int, ...], group: Group
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's d(output) and output [B, Hq, N, D] (one all-gather of both), each laid out [B, N, Hq, D] in
-    memory as the CUDA kernels read them (``ops.fused_attention._kernel_layout``): the ranks' rows are copied once,
+    memory as the CUDA kernels read them (``ops.attention.fused._kernel_layout``): the ranks' rows are copied once,
     from the gather's buffer (which dies at return) into [2, B, N, Hq, D]."""
     both = torch.stack([grad_mine.to(mine.dtype), mine])  # [2, B, Hq, T_r, D]
     pieces = gather_padded(both, query_sizes, -2, group)
@@ -255,7 +278,7 @@ def sharded_fused_backward_transient_bytes(
     with N = sum(query_sizes), L = max(query_sizes) and a row = B x Hq x D entries:
     - gathering d(output) and output: this rank's 2 x T_r rows stacked, the wire buffers (those rows padded to
       2 x L, and the 2 x R x L rows received) and the copy in the kernels' layout (2 x N rows), in ``dtype``;
-    - the kernels' backward: that copy plus ``ops.fused_attention.fused_backward_transient_bytes`` of the N
+    - the kernels' backward: that copy plus ``ops.attention.fused.fused_backward_transient_bytes`` of the N
       gathered queries over this rank's keys (its float32 d(queries) included);
     - the reduce-scatter of d(queries): the float32 d(queries) (N rows), the send buffer (R x L rows) and the
       received rows (L), in ``compute_dtype``.
@@ -309,7 +332,7 @@ def sharded_blocked_transient_bytes(
     max(query_sizes) wire rows,
     L = max(query_sizes), a row = batch x q_heads entries, b / f / o bytes of ``dtype``, the arithmetic dtype and the
     matmul operands (``planned_matmul_dtype``), and a block = one key block's float32 scores [N rows, keys]
-    (``ops.attention.key_block_size`` keys, at most the longest local key set):
+    (``ops.attention.prefix.key_block_size`` keys, at most the longest local key set):
 
     - forward, the largest of: the gather (this rank's padded queries, the wire buffer, the concatenated queries:
       (L + W + N) D b); the online softmax (the queries N D b, their operand copy where o != b, the accumulator

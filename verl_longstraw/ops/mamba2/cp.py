@@ -1,12 +1,12 @@
-"""Mamba2's scan (``ops.ssd_scan``) over one sequence split across the ranks of a context-parallel group.
+"""Mamba2's scan (``ops.mamba2.ssd``) over one sequence split across the ranks of a context-parallel group.
 
 Rank r holds the ``sizes[r]`` consecutive tokens that follow those of ranks 0..r-1 (replicated metadata); the state
 before rank 0's first token and the final state are replicated; gradients follow ``comm``'s partial-sum semantics
-(``parallel.gated_delta``'s module docstring has the contract every rank keeps).
+(``parallel.sequence`` has the contract every rank keeps).
 
 The recurrence is affine in the state with a scalar per head: over rank j's tokens ``h_out = a_j h_in + E_j``
 (``a_j = exp(sum dt A)`` [B, H], ``E_j`` the end state from zero). Each rank summarises its tokens as
-``[E_j | a_j I]`` [B, H, P, N + P], ``gated_delta.AffineMerge`` all-gathers and composes the summaries into this
+``[E_j | a_j I]`` [B, H, P, N + P], ``parallel.sequence.AffineMerge`` all-gathers and composes the summaries into this
 rank's start state and the final state, and the rank runs its tokens from its start, so its outputs round as the
 single-process scan's.
 """
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.ssd_scan import ChunkScan, ssd_decay, ssd_scan
-from .comm import Group
-from .gated_delta import AffineMerge, check_sizes
+from ...parallel.comm import Group
+from ...parallel.sequence import AffineMerge, check_sizes
+from .ssd import ChunkScan, ssd_decay, ssd_scan
 
 
 def sharded_ssd_scan(
@@ -35,7 +35,7 @@ def sharded_ssd_scan(
     group: Group,
     sizes: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.ssd_scan.ssd_scan`` over this rank's ``sizes[rank]`` tokens (x [B, T_r, H, P], dt [B, T_r, H], B, C
+    """``ops.mamba2.ssd.ssd_scan`` over this rank's ``sizes[rank]`` tokens (x [B, T_r, H, P], dt [B, T_r, H], B, C
     [B, T_r, G, N]) of a sequence split across ``group``, from the replicated ``initial_state`` [B, H, P, N]:
     (output [B, T_r, H, P], the final state after the last rank's last token, replicated). ``group=None``: one
     process."""

@@ -13,7 +13,7 @@ Arithmetic is float32; the output has q's dtype, the final state is float32.
 ``kda_rule`` runs the model's own chunked rule (``model_kda_rules``: transformers' ``chunk_kimi_delta_attention``
 of the model's module, which transformers binds to flash-linear-attention's ``chunk_kda`` where that is installed,
 and is the plain torch chunked form otherwise); ``chunked_rule`` picks it for half-precision inputs and the plain
-torch form for float32 / float64 (whose arithmetic fla's TF32 dots would not keep), as ``ops.gated_delta_rule``
+torch form for float32 / float64 (whose arithmetic fla's TF32 dots would not keep), as ``ops.gated_delta.rule``
 does for Gated DeltaNet. The module's ``recurrent_kimi_delta_attention`` (the token-by-token recurrence) is the
 reference the tests compare it with. Both are differentiable in every input including the
 initial state. ``kda_reference`` is the same recurrence in the inputs' dtype (the model's rules compute in float32).
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 CHUNK_LEN = 64  # transformers' chunk_kimi_delta_attention default (and fla's)
