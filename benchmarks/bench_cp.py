@@ -38,10 +38,10 @@ from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward, gr
 from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.machine import describe, machine
 from verl_longstraw.memory import parameter_meter
-from verl_longstraw.mixers import LayerCall
+from verl_longstraw.mixers import layer_calls
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.plan import star_plan
+from verl_longstraw.plan import Capture, Recompute, Replay, star_plan
 from verl_longstraw.testing.compare import make_group
 from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model
 
@@ -149,33 +149,28 @@ def bytes_by_op(records: list[tuple[str, int, int, str]]) -> dict[str, dict[str,
 
 def formula_bytes(family: str, prompt_len: int, chunk_size: int, response_lens: list[int], world: int,
                   dtype: torch.dtype = torch.float32) -> dict[str, dict[str, int]]:
-    """{phase: {op: bytes}} the formulas of the module docstring give for one group on ``world`` ranks."""
+    """{phase: {op: bytes}} the formulas of the module docstring give for one group on ``world`` ranks: rank 0's
+    steps priced, each layer's by its op (``MixerOp.collective_bytes`` of the step's ``mixers.layer_calls``) and the
+    walk's own (``Step.collectives``): the exact walk's captures (``capture_prompt``: a star's prompt chain, all
+    before its first replay), the log-prob walk's replays (``group_log_probs``), the exact walk's replays and
+    recomputes (``group_backward``)."""
     ops = adapter_on_meta(tiny_config(family)).ops  # each layer's op and its collectives (``collective_bytes``)
     out = {phase: Counter() for phase in PHASES}
     if world == 1:
         return {phase: {} for phase in PHASES}
-
-    def segment(counter: Counter, sizes: list[int], consecutive: bool, backward: bool) -> None:
-        for idx, op in enumerate(ops):
-            call = LayerCall(1, sizes[0], 0, 0, not (consecutive and idx == len(ops) - 1), tuple(sizes), 0, world,
-                             consecutive, dtype, "cpu", 0)
-            counter.update(op.collective_bytes(call, backward))
-
-    # the ranks' tokens per step
     plan = star_plan(prompt_len, response_lens, Knobs(chunk_size=chunk_size), world=world, rank=0)
-    for step in plan.steps("exact"):
-        if step.phase == "release":
-            continue
-        sizes = list(step.split.query_sizes)  # every rank's tokens (a CP dummy: one)
-        if step.phase == "capture":
-            segment(out["capture"], sizes, True, False)
-        elif step.phase == "recompute":
-            segment(out["prompt_backward"], sizes, True, True)
-        else:  # a replay round
-            segment(out["replay_log_probs"], sizes, False, False)
-            out["replay_log_probs"]["all_gather"] += world * max(sizes) * 4
-            segment(out["replay_train"], sizes, False, True)
-            out["replay_train"]["all_gather"] += world * max(sizes) * 4 + world * 2 * 4
+    # each walk's steps this benchmark's phases count, by step type; whether the walk backpropagates (has a loss)
+    walks = {"log_probs": ({Replay: "replay_log_probs"}, False),
+             "exact": ({Capture: "capture", Replay: "replay_train", Recompute: "prompt_backward"}, True)}
+    for mode, (phases, loss) in walks.items():
+        for step in plan.steps(mode):
+            if type(step) not in phases:
+                continue
+            counter = out[phases[type(step)]]
+            backward = loss and step.differentiable
+            for op, call in zip(ops, layer_calls(step.call, len(ops), dtype, "cpu"), strict=True):
+                counter.update(op.collective_bytes(call, backward))
+            counter.update(step.collectives(loss, entropy=False))
     return {phase: dict(counts) for phase, counts in out.items()}
 
 

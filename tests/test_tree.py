@@ -214,11 +214,11 @@ def scheduled_state_bytes(model, plan: Plan, mode: str) -> int:
     segments captured and not yet released."""
     held, most = set(), 0
     for step in plan.steps(mode):
-        if step.phase == "capture":
-            held.add(step.segments[0])
+        if step.writes is not None:
+            held.add(step.writes)
             most = max(most, len(held))
-        elif step.phase == "release":
-            held.discard(step.segments[0])
+        elif step.frees is not None:
+            held.discard(step.frees)
     return state_bytes(model, plan, most)
 
 

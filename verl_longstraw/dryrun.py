@@ -76,7 +76,6 @@ from .ops.gated_delta import rule as gated_delta_rule
 from .parallel import comm, experts, fsdp2, transformers_ep
 from .plan import Plan, star_plan
 from .state import host
-from .timemodel import PHASES
 from .timing import observe_phases
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -325,7 +324,7 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
     responses = [torch.randint(0, config.vocab_size, (step.response_len,), generator=gen)
                  for _ in range(step.group_size)]
     plan = step.plan
-    walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_) if s.phase in PHASES]
+    walked = [s for mode_ in ("log_probs", step.prompt_grad) for s in plan.steps(mode_) if s.call is not None]
     progress = _Progress(len(walked))
     meters = _Meters(measured, mode, progress, step.expert_parallel)
     paths_before = _paths()

@@ -70,9 +70,9 @@ import torch
 from .adapters import Adapter, adapter_on_meta
 from .feed_forward import NORM, largest_exchange
 from .knobs import REPLAY_TOKENS, Knobs
-from .mixers import LayerCall, Saves, layer_needs_output
+from .mixers import LayerCall, Saves, layer_calls, layer_needs_output
 from .mixers.base import upcast_row_bytes
-from .plan import Plan, Step, star_plan
+from .plan import ModelCall, Plan, Recompute, Replay, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
 
@@ -206,35 +206,9 @@ class _Layers:
         inv_freq = getattr(rotary, "inv_freq", None)
         self.rotary_dim = 2 * inv_freq.shape[-1] if inv_freq is not None else 0
 
-    def calls(self, batch: int, tokens: int, prefix: int, state_len: int, last_layer_stops: bool,
-              sizes: Sequence[int], rank: int, cp_size: int, consecutive: bool,
-              group_prefix: int) -> list[LayerCall]:
-        """Each layer's ``LayerCall`` of one step: ``batch`` sequences of ``tokens`` on this rank after ``prefix``
-        rows (``LayerCall`` says the rest); ``last_layer_stops``: the step scores nothing, so the last layer's
-        output is not needed."""
-        layers = len(self.ops)
-        return [LayerCall(batch, tokens, prefix, state_len, layer_needs_output(idx, layers, not last_layer_stops),
-                          tuple(sizes), rank, cp_size, consecutive, self.dtype, self.device_type, group_prefix)
-                for idx in range(layers)]
-
-    def step_calls(self, plan: Plan, step: Step) -> list[LayerCall]:
-        """Each layer's ``LayerCall`` of ``step`` (a capture, recompute or replay) of ``plan`` on its rank: a replay
-        runs its leaves as one batch padded to the longest (a CP dummy: one token) after its parent's rows; a capture
-        or recompute this rank's part of its segment after its prefix rows, scoring nothing when the segment scores
-        nothing (its last layer stops)."""
-        rank, rows = plan.rank, plan.capacity
-        if step.phase == "replay":
-            leaves = [plan.segments[i] for i in step.segments if i is not None]
-            tokens = max((leaf.length for leaf in leaves), default=1)
-            split, prefixes = step.split, plan.rank_rows_after(step.parent)
-            return self.calls(max(len(leaves), 1), tokens, prefixes[rank], rows, False,
-                              split.query_sizes if split else (tokens,), rank if split else 0,
-                              plan.world if step.sharded else 1, False, sum(prefixes))
-        segment = plan.segments[step.segments[0]]
-        sizes, prefixes = plan.rank_tokens(segment.index), plan.rank_prefix_rows(segment.index)
-        own = sizes[rank if step.split is not None else 0]
-        return self.calls(1, own, prefixes[rank], rows, not segment.scored, sizes, rank, plan.world, True,
-                          sum(prefixes))
+    def calls(self, call: ModelCall) -> list[LayerCall]:
+        """Each layer's ``LayerCall`` of a step's model call (``Step.call``: ``mixers.layer_calls``)."""
+        return layer_calls(call, len(self.ops), self.dtype, self.device_type)
 
     def layer_saves(self, idx: int, call: LayerCall) -> Saves:
         """Layer ``idx``'s saves of ``call``: its mixer op's, its input norm's and its feed-forward half's
@@ -409,12 +383,73 @@ def estimate_plan(
     (``Plan.held``: a ``Rows`` buffer of ``plan.capacity`` rows and each held segment's fixed-size state) and
     their gradient sums, the saved-for-backward peak of the largest replay (a batch of leaves after their
     parent's rows) and of the largest recompute (a captured segment after its prefix), and the transients of
-    those steps and of the captures. ``dtype`` ... ``expert_parallel``: as ``estimate_memory``.
+    those steps and of the captures; ``detached_total_bytes`` prices the same plan's detached walk alike.
+    ``dtype`` ... ``expert_parallel``: as ``estimate_memory``.
     """
     if mode not in ("exact", "detached"):
         raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     adapter = adapter if adapter is not None else adapter_on_meta(config)
+    # the walk of ``mode`` and the detached one (the same walk in detached mode), each priced from its own steps
+    walks = {walk: _walk_estimate(config, plan, walk, dtype, adapter, state_grad_on_host, checkpointed, device_type,
+                                  expert_parallel) for walk in dict.fromkeys((mode, "detached"))}
+    return dataclasses.replace(walks[mode], detached_total_bytes=walks["detached"].total_bytes)
+
+
+class _BackwardPeak:
+    """A walk's backward steps (replays, recomputes) priced in order (``add``), keeping the one whose largest moment
+    holds the most: its saved bytes (``saved``), the state buffers among them (``views``), the state-gradient bytes
+    held then (``grads``) and its transient (``transient``); None before any. ``layer_sums``: each layer's
+    state-gradient sums on the device; ``layer_leaf_grads``: the gradient each layer's backward hands its state
+    leaves; ``in_flight``: a gradient on its way to the host sums; ``exchange_per_token``: the MoE token exchange's
+    transient per token a layer call runs."""
+
+    def __init__(self, layers: _Layers, checkpointed: bool, layer_sums: Sequence[int], layer_leaf_grads: Sequence[int],
+                 leaf_grad: int, in_flight: int, exchange_per_token: int):
+        self.layers, self.checkpointed = layers, checkpointed
+        self.layer_sums, self.layer_leaf_grads, self.in_flight = layer_sums, layer_leaf_grads, in_flight
+        self.exchange_per_token = exchange_per_token
+        self.all_grads = sum(layer_sums) + leaf_grad + in_flight  # held at a backward after the walk's first
+        self.any_grads = any(layer_sums) or bool(leaf_grad)
+        self.moment = self.saved = self.views = self.grads = self.transient = None
+        self.seen = False  # a backward step has run
+
+    def first_backward_grads(self, layer_saved: Sequence[int]) -> int:
+        """The state-gradient bytes at the largest moment of the walk's first backward step: ``PathState`` makes
+        each sum on its layer's first gradient, so while layer j's backward hands its state the gradient
+        (``PathState._add_grad``), the sums of layers j and above exist and the saves of the layers above have been
+        freed (``layer_saved``: each layer's saves, less the state buffers among them); the largest over j."""
+        if not self.any_grads:
+            return 0
+        largest, sums_above, freed_above = 0, 0, 0
+        for j in reversed(range(len(self.layer_sums))):
+            sums_above += self.layer_sums[j]
+            largest = max(largest, sums_above + self.layer_leaf_grads[j] + self.in_flight - freed_above)
+            freed_above += layer_saved[j]
+        return largest
+
+    def add(self, calls: Sequence[LayerCall], extra: int, score: int, tokens: int) -> tuple[int, int]:
+        """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves; ``score``: its
+        scoring's transient; ``tokens``: what one layer call runs on this rank, whose MoE token exchange under
+        expert parallelism is a transient of any layer's moment) toward the peak; returns its (saved bytes, of which
+        pass-Q)."""
+        saved, pass_q, views, per_layer = self.layers.saved(calls, self.checkpointed)
+        saved += extra
+        # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
+        grads = self.all_grads if self.seen or self.checkpointed else self.first_backward_grads(per_layer)
+        all_to_all = tokens * self.exchange_per_token
+        transient = max(self.layers.peak_transient(calls, per_layer, self.checkpointed, score), all_to_all)
+        moment = saved - views + grads + transient
+        if self.moment is None or moment > self.moment:
+            self.moment, self.saved, self.views, self.grads, self.transient = moment, saved, views, grads, transient
+        self.seen = True
+        return saved, pass_q
+
+
+def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: Adapter, state_grad_on_host: bool,
+                   checkpointed: bool, device_type: str, expert_parallel: bool) -> MemoryEstimate:
+    """``estimate_plan``'s figures of one walk (a text ``config``, an ``adapter``), priced from its steps in order;
+    ``detached_total_bytes`` left 0."""
     specs = adapter.specs()
     layers = _Layers(config, dtype, adapter, device_type)
     rows = plan.capacity
@@ -440,96 +475,50 @@ def estimate_plan(
                                                        for s in layer if s.differentiable) for layer in specs]
         layer_leaf_grads = [sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs]
     in_flight = staging if state_grad_on_host else 0
-    all_grads = sum(layer_sums) + leaf_grad + in_flight  # held at a backward after the walk's first
-
-    def first_backward_grads(layer_saved: Sequence[int]) -> int:
-        """The state-gradient bytes at the largest moment of the walk's first backward step: ``PathState`` makes
-        each sum on its layer's first gradient, so while layer j's backward hands its state the gradient
-        (``PathState._add_grad``), the sums of layers j and above exist and the saves of the layers above have been
-        freed (``layer_saved``: each layer's saves, less the state buffers among them); the largest over j."""
-        if not any(layer_sums) and not leaf_grad:
-            return 0
-        largest, sums_above, freed_above = 0, 0, 0
-        for j in reversed(range(len(specs))):
-            sums_above += layer_sums[j]
-            largest = max(largest, sums_above + layer_leaf_grads[j] + in_flight - freed_above)
-            freed_above += layer_saved[j]
-        return largest
-
-    # the backward step at the peak: its saved bytes less the state views, the state-gradient bytes held then and the
-    # transient of its largest moment
-    peak_moment = peak_saved = peak_views = peak_grads = peak_transient = None
-    backward_seen = written = False
-    capture_peak = 0
-
-    def backward_step(calls: Sequence[LayerCall], extra: int, score: int, tokens: int) -> tuple[int, int]:
-        """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves; ``score``: its
-        scoring's transient; ``tokens``: what one layer call runs on this rank, whose MoE token exchange under
-        expert parallelism is a transient of any layer's moment) toward the peak; returns its (saved bytes, of which
-        pass-Q)."""
-        nonlocal peak_moment, peak_saved, peak_views, peak_grads, peak_transient, backward_seen
-        saved, pass_q, views, per_layer = layers.saved(calls, checkpointed)
-        saved += extra
-        # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
-        grads = all_grads if backward_seen or checkpointed else first_backward_grads(per_layer)
-        all_to_all = tokens * exchange_per_token
-        transient = max(layers.peak_transient(calls, per_layer, checkpointed, score), all_to_all)
-        moment = saved - views + grads + transient
-        if peak_moment is None or moment > peak_moment:
-            peak_moment, peak_saved, peak_views, peak_grads, peak_transient = moment, saved, views, grads, transient
-        backward_seen = True
-        return saved, pass_q
-
+    peak = _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads, leaf_grad, in_flight,
+                         exchange_per_token)
     hidden_bytes = config.hidden_size * layers.act  # per token: the final hidden states ``score`` saves
     head = adapter.lm_head.weight  # its gradient's float32 sum exists while a backward scores (a trained head)
     head_gradient = head_gradient_bytes(head.shape[0], head.shape[1], dtype) if head.requires_grad else 0
-    replay = replay_pass_q = replay_transient = backward = backward_pass_q = backward_transient = score_block = 0
-    batch_most, call_tokens = 1, 0
+    # per backward step type: the largest saved bytes (of which pass-Q) and backward transient of its steps
+    saved_most = {Replay: (0, 0), Recompute: (0, 0)}
+    transient_most = {Replay: 0, Recompute: 0}
+    score_block = capture_peak = call_tokens = 0
+    batch_most, written = 1, False
     for step in plan.steps(mode):
-        if step.phase == "replay":
-            calls = layers.step_calls(plan, step)
-            batch, tokens = calls[0].batch, calls[0].tokens  # a batch pads to its longest; a CP dummy: 1 token
-            scoring = score_transient_bytes(config.vocab_size, batch * tokens, head_gradient)
-            saved, pass_q = backward_step(calls, batch * tokens * hidden_bytes, scoring, batch * tokens)
-            if saved > replay:
-                replay, replay_pass_q = saved, pass_q
-            replay_transient = max(replay_transient, layers.transient(calls))
-            score_block = max(score_block, scoring, layers.score_block(calls))
-            batch_most = max(batch_most, batch)
-            call_tokens = max(call_tokens, batch * tokens)
+        if step.call is None:
             continue
-        if step.phase not in ("capture", "recompute"):
-            continue
-        segment = plan.segments[step.segments[0]]
-        # a capture (and recompute): its tokens of all ranks against this rank's rows
-        calls = layers.step_calls(plan, step)
-        own = calls[0].tokens
-        call_tokens = max(call_tokens, own)
-        score_block = max(score_block, layers.score_block(calls))
+        calls = layers.calls(step.call)
+        # what one layer call runs on this rank: a batch padded to its longest (a CP dummy: 1 token), this rank's part
+        # of a captured segment
+        batch, tokens = step.call.batch, step.call.batch * step.call.tokens
+        scores = step.call.scored is not None
         scoring = 0
-        if segment.scored:
-            head_sum = head_gradient if step.phase == "recompute" else 0  # a capture runs no backward
-            scoring = score_transient_bytes(config.vocab_size, own, head_sum)
-            score_block = max(score_block, scoring)
-        if step.phase == "capture":  # no grad: the state stored before it, any sums, the forward's transient (the
-            # feed-forward half's or a mixer's beside the state rows returned so far)
-            own_rows = [sum(s.nbytes(own, dtype) for s in layer) for layer in specs]
-            held = (state if written else 0) + (sum(layer_sums) if backward_seen else 0)
-            transient = max(layers.capture_transient(own, not segment.scored, own_rows),
+        if scores:  # a capture runs no backward: its scoring holds no head gradient
+            scoring = score_transient_bytes(config.vocab_size, tokens, head_gradient if step.differentiable else 0)
+        score_block = max(score_block, scoring, layers.score_block(calls))
+        batch_most, call_tokens = max(batch_most, batch), max(call_tokens, tokens)
+        if step.differentiable:
+            # a recompute's own new state rows take the state gradient, so the walk holds them through the backward
+            # (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides
+            own_state = 0
+            if checkpointed and step.keeps_own_state:
+                own_state = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
+            saved, pass_q = peak.add(calls, (tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens)
+            if saved > saved_most[type(step)][0]:
+                saved_most[type(step)] = (saved, pass_q)
+            transient_most[type(step)] = max(transient_most[type(step)], layers.transient(calls))
+        else:  # a capture, no grad: the state stored before it, any sums, the forward's transient (the feed-forward
+            # half's or a mixer's beside the state rows returned so far)
+            own_rows = [sum(s.nbytes(tokens, dtype) for s in layer) for layer in specs]
+            held = (state if written else 0) + (sum(layer_sums) if peak.seen else 0)
+            transient = max(layers.capture_transient(tokens, not scores, own_rows),
                             layers.capture_mixer_transient(calls, own_rows))
             capture_peak = max(capture_peak, held + transient)
             written = True
-        if step.phase == "recompute":
-            # the recomputed chunk's own new state rows take the state gradient, so the walk holds them through the
-            # backward (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides
-            own_state = sum(s.nbytes(own, dtype) for layer in specs for s in layer) if checkpointed else 0
-            extra = (own * hidden_bytes if segment.scored else 0) + own_state
-            saved, pass_q = backward_step(calls, extra, scoring, own)
-            if saved > backward:
-                backward, backward_pass_q = saved, pass_q
-            backward_transient = max(backward_transient, layers.transient(calls))
+    (replay, replay_pass_q), (backward, backward_pass_q) = saved_most[Replay], saved_most[Recompute]
     captured = [plan.segments[i].length for i in plan.captured]
-    estimate = MemoryEstimate(
+    return MemoryEstimate(
         state_bytes=state,
         boundary_bytes=boundaries,
         state_grad_bytes=state_grad,
@@ -538,8 +527,8 @@ def estimate_plan(
         prompt_backward_saved_bytes=backward,
         pass_q_bytes=backward_pass_q if backward >= replay else replay_pass_q,
         score_block_bytes=score_block,
-        replay_backward_transient_bytes=replay_transient,
-        prompt_backward_transient_bytes=backward_transient,
+        replay_backward_transient_bytes=transient_most[Replay],
+        prompt_backward_transient_bytes=transient_most[Recompute],
         chunk_tokens=max(captured, default=0),
         cp_size=plan.world,
         state_grad_on_host=state_grad_on_host,
@@ -547,13 +536,9 @@ def estimate_plan(
         staging_bytes=staging,
         layer_call_tokens=call_tokens,
         all_to_all_bytes=call_tokens * exchange_per_token,
-        saved_state_bytes=peak_views or 0,
-        backward_grad_bytes=peak_grads,
-        backward_peak_saved_bytes=peak_saved,
-        backward_peak_transient_bytes=peak_transient,
+        saved_state_bytes=peak.views or 0,
+        backward_grad_bytes=peak.grads,
+        backward_peak_saved_bytes=peak.saved,
+        backward_peak_transient_bytes=peak.transient,
         capture_peak_bytes=capture_peak,
     )
-    detached = estimate if mode == "detached" else estimate_plan(config, plan, "detached", dtype, adapter,
-                                                                 state_grad_on_host, checkpointed, device_type,
-                                                                 expert_parallel)
-    return dataclasses.replace(estimate, detached_total_bytes=detached.total_bytes)

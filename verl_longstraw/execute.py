@@ -1,8 +1,10 @@
 """Run a plan (``plan.Plan``): capture segments without autograd, replay leaves, recompute segments with the
 gradient their subtrees handed back, and return every row's log-probs (and losses).
 
-A walk (``walk``) follows ``Plan.steps``. Each step is one call of the model module (``run_segment``) and each
-layer one call of that layer, so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward. A
+A walk (``walk``) follows ``Plan.steps``: ``_Walk.run`` is the one interpreter of the plan's typed steps
+(``plan.STEP_TYPES``), a handler per type (``_HANDLERS``); ``capture`` is the same run, stopped before the first
+replay or recompute. Each step but a release is one call of the model module (``run_segment``) and each layer one
+call of that layer, so FSDP2 and gradient-checkpointing hooks apply as in an ordinary forward. A
 layer's only positional argument is the hidden state: the state reaches it through a closure, so FSDP2's
 ``cast_forward_inputs`` (bf16 mixed precision) never rounds a float32 recurrent state.
 
@@ -36,7 +38,7 @@ from .flops import BACKWARD, model_cost
 from .mixers import layer_needs_output
 from .parallel import comm
 from .parallel.fsdp2 import compute_device
-from .plan import Plan, Split, Step
+from .plan import Capture, Plan, Recompute, Release, Replay, Split, Step
 from .score import Scoring, score
 from .state import LayerState, PathState
 from .timing import Stopwatch, phase
@@ -172,6 +174,7 @@ class _Walk:
         self.value_grads: dict[int, list[torch.Tensor | None]] = {}  # segment -> [d/d log-probs, d/d entropies]
         self.losses: dict[int, torch.Tensor] = {}
         self.rows_ending: dict[int, list[int]] = {}
+        self.stored: list[int] = []  # segments whose state this walk wrote, in order
         for row, end in enumerate(plan.ends):
             self.rows_ending.setdefault(end, []).append(row)
 
@@ -186,8 +189,8 @@ class _Walk:
                 self.sequences.span(s.row, s.own_start + 1, s.own_end + 1))
 
     def _flops(self, step: Step) -> float:
-        """Forward FLOPs of ``step``'s call on this rank (``flops.ModelCost.step_forward``)."""
-        return sum(self.cost.step_forward(self.plan, step).values())
+        """Forward FLOPs of ``step``'s call on this rank (``flops.ModelCost.call_forward``)."""
+        return sum(self.cost.call_forward(step.call).values())
 
     def _scoring(self, targets: torch.Tensor, first: int = 0) -> Scoring:
         return Scoring(targets[first:], self.temperature, self.with_entropy, first)
@@ -205,14 +208,15 @@ class _Walk:
         if entropies is not None:
             self.entropy_values[index] = entropies.detach()
 
-    def _keep_segment_values(self, index: int, out: SegmentOutput) -> None:
-        """Keep a captured segment's scored values; under CP every rank's parts, so every rank has them all."""
+    def _keep_segment_values(self, step: Capture, out: SegmentOutput) -> None:
+        """Keep a captured segment's scored values; under CP every rank's parts (``Capture.gathered``), so every
+        rank has them all."""
         values = [out.log_probs, out.entropies]
         if self.group is not None:
-            sizes = self.plan.rank_scored(index)
-            values = [None if v is None else torch.cat(comm.all_gather(v.detach().contiguous(), self.group, sizes))
+            values = [None if v is None else torch.cat(comm.all_gather(v.detach().contiguous(), self.group,
+                                                                       step.gathered))
                       for v in values]
-        self._keep_values(index, *values)
+        self._keep_values(step.segments[0], *values)
 
     def _owns_row_losses(self) -> bool:
         """Whether this rank backpropagates the losses of rows ending at a captured segment (every rank evaluates
@@ -270,7 +274,7 @@ class _Walk:
             return
         payloads = [torch.stack([loss.detach().to(like.dtype), like.new_ones(())]) if ok else like.new_zeros(2)
                     for loss, ok in zip(losses, scalar, strict=True)]
-        sizes = tuple(len(self.rows_ending.get(i, ())) * 2 if i is not None else 2 for i in step.round)
+        sizes = tuple(2 * rows for rows in step.loss_rows)
         mine = torch.cat(payloads) if payloads else like.new_zeros(2)
         gathered = comm.all_gather(mine.contiguous(), self.group, sizes)
         rows, payloads = [], []
@@ -283,32 +287,35 @@ class _Walk:
                 raise ValueError(f"loss_fn must return a scalar tensor; it did not for row {row}")
             self.losses[row] = value
 
-    # -- steps -----------------------------------------------------------------------------------------------
-    def run(self) -> None:
+    # -- steps: the one interpreter of the plan ----------------------------------------------------------------
+    def run(self, stop_before_backward: bool = False) -> None:
+        """Run the walk's steps (``plan.steps(mode)``) in order, each by its type's handler (``_HANDLERS``), its
+        seconds under its ``phase`` label; ``stop_before_backward``: stop at the first differentiable step (a
+        replay or recompute), which ``capture`` runs up to. The captures and releases of segments ``captured``
+        before (by ``capture``) are not run again."""
         for step in self.plan.steps(self.mode):
-            if step.phase == "release":
-                if step.segments[0] not in self.captured:
-                    s = self.plan.segments[step.segments[0]]
-                    self.store.release(s.index, s.row_start, s.row_end)
+            if stop_before_backward and step.differentiable:
+                return
+            if not step.differentiable and step.segments[0] in self.captured:
                 continue
-            if step.phase == "capture" and step.segments[0] in self.captured:
+            handler, seconds_field = _HANDLERS[type(step)]
+            if seconds_field is None:
+                getattr(self, handler)(step)
                 continue
             watch = Stopwatch(self.store_device)
             with phase(step.phase):
-                getattr(self, "_" + step.phase)(step)
-            seconds = watch.seconds()
-            if step.phase == "capture":
-                self.stats.capture_s += seconds
-            elif step.phase == "replay":
-                self.stats.replay_s += seconds
-            else:
-                self.stats.prompt_backward_s += seconds
+                getattr(self, handler)(step)
+            setattr(self.stats, seconds_field, getattr(self.stats, seconds_field) + watch.seconds())
 
     @property
     def store_device(self) -> torch.device:
         return compute_device(self.adapter.model)
 
-    def _capture(self, step: Step) -> None:
+    def _release(self, step: Release) -> None:
+        s = self.plan.segments[step.segments[0]]
+        self.store.release(s.index, s.row_start, s.row_end)
+
+    def _capture(self, step: Capture) -> None:
         s = self.plan.segments[step.segments[0]]
         inputs, targets = self._own_tokens(s.index)
         past = self.store.read(step.parent, self._parent_rows(step.parent))
@@ -316,11 +323,12 @@ class _Walk:
         with torch.no_grad():
             out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
         self.store.write(s.index, s.row_start, out.states)
+        self.stored.append(s.index)
         self.stats.tokens_captured += s.own_end - s.own_start
         self.stats.model_flops += self._flops(step)
         self.stats.prompt_state_bytes = max(self.stats.prompt_state_bytes, self.store.nbytes())
         if s.scored:
-            self._keep_segment_values(s.index, out)
+            self._keep_segment_values(step, out)
         rows = self.rows_ending.get(s.index, [])
         if rows and self.loss_fn is not None:
             with torch.enable_grad():
@@ -331,7 +339,7 @@ class _Walk:
                 torch.autograd.backward(differentiable)
                 self._add_value_grads(stand_ins)
 
-    def _replay(self, step: Step) -> None:
+    def _replay(self, step: Replay) -> None:
         parent_rows = self._parent_rows(step.parent)
         if self.backward:
             past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
@@ -349,9 +357,8 @@ class _Walk:
             else:  # a dummy: one token, so the rank's calls match the others'
                 inputs = targets = self.sequences.span(0, 0, 1)
             lengths = [len(inputs)]
-        start = self.plan.segments[leaves[0]].start if leaves else step_start(self.plan, step)
         with torch.enable_grad() if self.backward else torch.no_grad():
-            out = run_segment(self.adapter, inputs, start, past, self._scoring(targets),
+            out = run_segment(self.adapter, inputs, step.call.start, past, self._scoring(targets),
                               step.split if step.sharded else None, self.group)
             # a leaf's values start where it scores: under CP a leaf may begin with fewer than R unscored positions
             firsts = [self.plan.segments[i].score_from - self.plan.segments[i].start for i in leaves] or [0]
@@ -381,22 +388,21 @@ class _Walk:
         self._add_value_grads(stand_ins)
         self._note_state_grad_bytes()
 
-    def _gather_values(self, step: Step, leaves: list[int], lps: list, ents: list) -> None:
+    def _gather_values(self, step: Replay, leaves: list[int], lps: list, ents: list) -> None:
         """Keep the step's leaves' values; under CP every rank's (no autograd)."""
         if not step.round:
             for i, lp, ent in zip(leaves, lps, ents, strict=True):
                 self._keep_values(i, lp, ent)
             return
-        sizes = [1 if leaf is None else self.plan.segments[leaf].scored for leaf in step.round]  # a dummy scores 1
         for source, keep in ((lps, self.values), (ents, self.entropy_values)):
             if source[0] is None:
                 continue
-            parts = comm.all_gather(source[0].detach().contiguous(), self.group, sizes)
+            parts = comm.all_gather(source[0].detach().contiguous(), self.group, step.gathered)
             for leaf, part in zip(step.round, parts, strict=True):
                 if leaf is not None:
                     keep[leaf] = part
 
-    def _recompute(self, step: Step) -> None:
+    def _recompute(self, step: Recompute) -> None:
         s = self.plan.segments[step.segments[0]]
         inputs, targets = self._own_tokens(s.index)
         parent_rows = self._parent_rows(step.parent)
@@ -446,11 +452,6 @@ class _Walk:
             self.stats.state_grad_device_bytes = max(self.stats.state_grad_device_bytes, held)
 
 
-def step_start(plan: Plan, step: Step) -> int:
-    """Position a CP dummy replays at: after its parent's positions."""
-    return 0 if step.parent is None else plan.segments[step.parent].end
-
-
 def walk(
     adapter: Adapter,
     plan: Plan,
@@ -490,22 +491,19 @@ def walk(
 
 def capture(adapter: Adapter, plan: Plan, sequences: Sequences, mode: str, group: comm.Group, stats: GroupStats,
             on_host: bool = False) -> tuple[PathState, frozenset[int]]:
-    """Run the steps of a ``mode`` walk of ``plan`` up to its first replay or recompute (a star's prompt chain:
-    its captures, and the releases of what that mode no longer needs): the store and the segments captured, for
-    ``walk(state=..., captured=...)``."""
+    """Run the steps of a ``mode`` walk of ``plan`` up to its first differentiable one (a replay or recompute;
+    a star's prompt chain: its captures, and the releases of what that mode no longer needs): the store and the
+    segments captured, for ``walk(state=..., captured=...)``."""
     store = PathState(adapter.specs(), plan.capacity, on_host)
     run = _Walk(adapter, plan, sequences, mode, 1.0, False, None, group, store, frozenset(), stats)
-    done = []
-    for step in plan.steps(mode):
-        if step.phase in ("replay", "recompute"):
-            break
-        if step.phase == "release":
-            s = plan.segments[step.segments[0]]
-            store.release(s.index, s.row_start, s.row_end)
-            continue
-        watch = Stopwatch(run.store_device)
-        with phase(step.phase):
-            run._capture(step)
-        stats.capture_s += watch.seconds()
-        done.append(step.segments[0])
-    return store, frozenset(done)
+    run.run(stop_before_backward=True)
+    return store, frozenset(run.stored)
+
+
+# each step type's handler (a method of ``_Walk``) and the ``GroupStats`` field its seconds add to (None: untimed)
+_HANDLERS: dict[type[Step], tuple[str, str | None]] = {
+    Capture: ("_capture", "capture_s"),
+    Replay: ("_replay", "replay_s"),
+    Recompute: ("_recompute", "prompt_backward_s"),
+    Release: ("_release", None),
+}

@@ -32,7 +32,7 @@ from torch import nn
 
 from .adapters import Adapter
 from .mixers import MixerOp, layer_needs_output
-from .plan import Plan, Step
+from .plan import ModelCall
 
 BACKWARD = 2.0  # backward FLOPs per forward FLOP: the gradients of a matmul's input and of its weight
 # The op classes the FLOPs of a call fall in: the weights' and LM head's matmuls, and the token mixers' sequence
@@ -82,24 +82,16 @@ class ModelCost:
         out["matmul"] += 2 * self.head_params * (scored or 0)
         return out
 
-    def step_forward(self, plan: Plan, step: Step) -> dict[str, float]:
-        """Forward FLOPs by class of one ``step`` of ``plan`` on its rank, as the walk (``execute``) runs it: a
-        capture or recompute runs this rank's part of its segment, scoring its scored positions (none: a segment
-        that scores nothing stops its last layer); a replay each of its leaves (this rank's under CP; a dummy: 0)
-        from the leaves' start, every token scored. A release runs nothing."""
-        if step.phase == "replay":
-            out = dict.fromkeys(FLOP_CLASSES, 0.0)
-            leaves = [plan.segments[i] for i in step.segments if i is not None]
-            for leaf in leaves:
-                tokens = leaf.own_end - leaf.own_start
-                for name, value in self.forward_by_class(tokens, leaves[0].start, tokens).items():
-                    out[name] += value
-            return out
-        if step.phase not in ("capture", "recompute"):
-            return dict.fromkeys(FLOP_CLASSES, 0.0)
-        s = plan.segments[step.segments[0]]
-        first, last = plan.own_scored(s.index)
-        return self.forward_by_class(s.own_end - s.own_start, s.own_start, last - first if s.scored else None)
+    def call_forward(self, call: ModelCall) -> dict[str, float]:
+        """Forward FLOPs by class of a step's model call (``plan.ModelCall``: ``Step.call``) on its rank, as the walk
+        (``execute``) runs it: each sequence's real tokens (a CP dummy's: none) from the call's start, scoring its
+        scored positions (none: the last layer stops)."""
+        out = dict.fromkeys(FLOP_CLASSES, 0.0)
+        for k, tokens in enumerate(call.lengths):
+            scored = None if call.scored is None else call.scored[k]
+            for name, value in self.forward_by_class(tokens, call.start, scored).items():
+                out[name] += value
+        return out
 
 
 def model_cost(adapter: Adapter) -> ModelCost:

@@ -14,11 +14,14 @@ state (a root continues nothing), shared by every row whose path passes it, and 
   starts, into ``chunk_size`` chains (segments with children) and ``response_chunk_size`` chains (the scored
   leaves: a long response becomes a chain whose last segment is the leaf).
 
-Order (``Plan.steps``): a depth-first walk. A segment with children is captured without autograd (``capture``);
-its leaf children are replayed in batches (``replay``: k siblings padded to the longest, k x T_max <=
-``replay_tokens``); its other children are walked; then, when it needs a gradient (exact mode: always; detached:
-when it scores tokens), it is recomputed (``recompute``); it is released (``release``) after the last step that
-reads it. So one root-to-leaf path's state is held at a time (``capacity`` rows).
+Order (``Plan.steps``): a depth-first walk of typed steps (``STEP_TYPES``). A segment with children is captured
+without autograd (``Capture``); its leaf children are replayed in batches (``Replay``: k siblings padded to the
+longest, k x T_max <= ``replay_tokens``); its other children are walked; then, when it needs a gradient (exact
+mode: always; detached: when it scores tokens), it is recomputed (``Recompute``); it is released (``Release``)
+after the last step that reads it. So one root-to-leaf path's state is held at a time (``capacity`` rows). Each
+step carries what it means: its model call's figures (``ModelCall``, read by every cost) and the walk's own
+collectives (``Step.collectives``); ``execute`` is the one interpreter that runs them, the estimate, the FLOP
+count, the time model and the benchmarks price them.
 
 Context parallel (``world`` R > 1, star plans): computed from metadata every rank has, never from data, so every
 rank takes the same branches and issues the same collectives ("lockstep"). The captured positions are cut into
@@ -32,8 +35,10 @@ rounds, response ``round * R + r`` on rank r; ranks without one in the last roun
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -142,22 +147,174 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Step:
-    """One call of the model on this rank: ``phase`` "capture", "recompute" or "release" of ``segments`` (one), or
-    "replay" of ``segments``: k >= 1 sibling leaves after ``parent`` in one process, this rank's leaf (None: a one-token
-    dummy that keeps the ranks' calls matched) under CP; ``round`` every rank's leaf of a CP round."""
+class ModelCall:
+    """What one step runs through the model on this rank (one ``execute.run_segment`` call), the figures every
+    cost of the step reads (each layer's ``mixers.LayerCall``: ``mixers.layer_calls``; its FLOPs:
+    ``flops.ModelCost.call_forward``).
 
-    phase: str
+    ``lengths``: each sequence's real tokens on this rank, run as one batch right-padded to the longest (a CP
+    dummy: none, run as one token); ``start``: the position of their first token; ``scored``: each sequence's
+    positions scored on this rank (None: the call scores nothing and its last layer stops at its state);
+    ``prefix``: this rank's rows of state before them, ``group_prefix`` every rank's summed, in buffers of
+    ``state_len`` rows (``Plan.capacity``); ``sizes``: every rank's tokens (one process: the padded tokens);
+    ``rank`` of the ``cp_size`` ranks whose state the call reads (1: one process, or a CP round after no state);
+    ``consecutive``: as ``Split``'s."""
+
+    lengths: tuple[int, ...]
+    start: int
+    scored: tuple[int, ...] | None
+    prefix: int
+    group_prefix: int
+    state_len: int
+    sizes: tuple[int, ...]
+    rank: int
+    cp_size: int
+    consecutive: bool
+
+    @property
+    def batch(self) -> int:
+        """Sequences the call runs (a CP dummy: one)."""
+        return max(len(self.lengths), 1)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of each sequence as run: the longest (a CP dummy: one)."""
+        return max(self.lengths, default=1)
+
+
+VALUE_BYTES = torch.float32.itemsize  # a scored value (log-prob, entropy) and a gathered loss are float32
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a walk on this rank (``Plan.steps``), one of ``STEP_TYPES``: a call of the model (``call``;
+    ``Capture``, ``Replay``, ``Recompute``) or none (``Release``). ``segments``: what it runs or frees;
+    ``parent``: the segment after whose state it runs (None: a root's or none).
+
+    Per type: ``phase``, the timing label of its seconds (``timing.phase``; ``execute.GroupStats``);
+    ``differentiable``: a walk computing a gradient runs it with autograd and backpropagates it;
+    ``keeps_own_state``: its segment's new state stays alive through its backward (a recompute's takes the state
+    gradient; a replay's leaves' state is freed first)."""
+
     segments: tuple[int | None, ...]
     parent: int | None
+    call: ModelCall | None = None
+
+    phase: ClassVar[str]
+    differentiable: ClassVar[bool] = False
+    keeps_own_state: ClassVar[bool] = False
+
+    @property
+    def writes(self) -> int | None:
+        """The segment whose state the step stores (None: none)."""
+        return None
+
+    @property
+    def frees(self) -> int | None:
+        """The segment whose state and gradient sums the step frees (None: none)."""
+        return None
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        """The segments whose stored state or gradient sums the step reads."""
+        return () if self.parent is None else (self.parent,)
+
+    def collectives(self, loss: bool, entropy: bool) -> dict[str, int]:
+        """Bytes by collective op (``comm.trace_collectives``' convention: a buffer's bytes, variable sizes padded to
+        the largest) of the walk's own collectives in the step under CP, besides its layers'
+        (``MixerOp.collective_bytes``): the gathers of scored values and losses, the sum of value gradients.
+        ``loss``: the walk evaluates a loss; ``entropy``: it computes entropies too."""
+        return {}
+
+
+@dataclass(frozen=True)
+class _ModelStep(Step):
+    """A step that calls the model on ``split`` (None: one process)."""
+
     split: Split | None = None
-    round: tuple[int | None, ...] = ()
 
     @property
     def sharded(self) -> bool:
         """Whether the call reads the other ranks (runs on its ``split``): under CP, except a replay round after no
         state (roots), whose ranks each run their leaf alone (nothing to attend across the ranks)."""
-        return self.split is not None and (self.phase != "replay" or any(self.split.prefix_sizes))
+        return self.call.cp_size > 1
+
+
+def _gather_bytes(sizes: tuple[int, ...], per_entry: int) -> int:
+    """Bytes of an all-gather of every rank's ``sizes`` entries of ``per_entry`` bytes, padded to the largest."""
+    return len(sizes) * max(sizes, default=0) * per_entry
+
+
+@dataclass(frozen=True)
+class Capture(_ModelStep):
+    """Run ``segments[0]`` without autograd after ``parent``'s state and store its state. Under CP a segment
+    that scores gathers every rank's scored values (``gathered``: every rank's count; else empty)."""
+
+    gathered: tuple[int, ...] = ()
+    phase = "capture"
+
+    @property
+    def writes(self) -> int:
+        return self.segments[0]
+
+    def collectives(self, loss: bool, entropy: bool) -> dict[str, int]:
+        values = _gather_bytes(self.gathered, VALUE_BYTES) * (2 if entropy else 1)
+        return {"all_gather": values} if values else {}
+
+
+@dataclass(frozen=True)
+class Replay(_ModelStep):
+    """Run sibling leaves ``segments`` (k >= 1 in one process, padded to the longest; under CP this rank's leaf of
+    ``round``, every rank's leaf of the round, None: a one-token dummy that keeps the ranks' calls matched) after
+    ``parent``'s state, with autograd and a backward in a gradient walk. A CP round gathers every rank's scored
+    values (``gathered``: each rank's count, a dummy's 1) and losses (``loss_rows``: each rank's rows ending at its
+    leaf, a dummy's 1; with a validity flag each)."""
+
+    round: tuple[int | None, ...] = ()
+    gathered: tuple[int, ...] = ()
+    loss_rows: tuple[int, ...] = ()
+    phase = "replay"
+    differentiable = True
+
+    def collectives(self, loss: bool, entropy: bool) -> dict[str, int]:
+        total = _gather_bytes(self.gathered, VALUE_BYTES) * (2 if entropy else 1)
+        if loss:
+            total += _gather_bytes(tuple(2 * n for n in self.loss_rows), VALUE_BYTES)
+        return {"all_gather": total} if total else {}
+
+
+@dataclass(frozen=True)
+class Recompute(_ModelStep):
+    """Run captured ``segments[0]`` again with autograd after ``parent``'s state and backpropagate its state's and
+    its values' summed gradients. Under CP a segment that scores sums every rank's gradients of its ``reduced``
+    scored values (else 0)."""
+
+    reduced: int = 0
+    phase = "recompute"
+    differentiable = True
+    keeps_own_state = True
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (*super().reads, self.segments[0])
+
+    def collectives(self, loss: bool, entropy: bool) -> dict[str, int]:
+        values = self.reduced * VALUE_BYTES * (2 if entropy else 1)
+        return {"all_reduce": values} if values else {}
+
+
+@dataclass(frozen=True)
+class Release(Step):
+    """Free ``segments[0]``'s state and gradient sums, after the last step that reads them."""
+
+    phase = "release"
+
+    @property
+    def frees(self) -> int:
+        return self.segments[0]
+
+
+STEP_TYPES = (Capture, Replay, Recompute, Release)  # every step a plan yields is one of these
 
 
 @dataclass(frozen=True)
@@ -214,26 +371,52 @@ class Plan:
         for child in children:
             if self.is_leaf(child):
                 continue
-            steps.append(Step("capture", (child,), parent, self.segments[child].split))
-            self._walk(child, self.segments[child].children, mode, steps)
+            s = self.segments[child]
+            sharded = s.split is not None
+            steps.append(Capture((child,), parent, self._segment_call(child), s.split,
+                                 self.rank_scored(child) if sharded and s.scored else ()))
+            self._walk(child, s.children, mode, steps)
             if self.needs_recompute(child, mode):
-                steps.append(Step("recompute", (child,), parent, self.segments[child].split))
+                steps.append(Recompute((child,), parent, self._segment_call(child), s.split,
+                                       s.scored if sharded else 0))
+
+    def _segment_call(self, index: int) -> ModelCall:
+        """The call capturing or recomputing segment ``index``: this rank's part after its prefix rows, scoring
+        its scored positions on this rank (every rank scores, perhaps none, when the segment scores any)."""
+        s = self.segments[index]
+        prefixes = self.rank_prefix_rows(index)
+        first, last = self.own_scored(index)
+        return ModelCall((s.own_end - s.own_start,), s.own_start, (last - first,) if s.scored else None,
+                         prefixes[self.rank], sum(prefixes), self.capacity, self.rank_tokens(index), self.rank,
+                         self.world, True)
 
     def _replays(self, parent: int | None, leaves: list[int]) -> list[Step]:
         if not leaves:
             return []
-        if self.world == 1:
-            lengths = [self.segments[i].length for i in leaves]
-            return [Step("replay", tuple(leaves[i] for i in batch), parent)
-                    for batch in replay_batches(lengths, self.knobs.replay_tokens)]
-        steps = []
+        start = 0 if parent is None else self.segments[parent].end
         state_rows = self.rank_rows_after(parent)
+        if self.world == 1:
+            steps = []
+            for batch in replay_batches([self.segments[i].length for i in leaves], self.knobs.replay_tokens):
+                lengths = tuple(self.segments[leaves[i]].length for i in batch)
+                call = ModelCall(lengths, start, lengths, state_rows[0], state_rows[0], self.capacity,
+                                 (max(lengths),), 0, 1, False)
+                steps.append(Replay(tuple(leaves[i] for i in batch), parent, call))
+            return steps
+        steps = []
         spans = self._spans(parent)
+        rows_ending = Counter(self.ends)
         for first in range(0, len(leaves), self.world):
             round_ = tuple(leaves[first + r] if first + r < len(leaves) else None for r in range(self.world))
             sizes = tuple(self.segments[i].length if i is not None else 1 for i in round_)
             split = Split(sizes, state_rows, False, spans)
-            steps.append(Step("replay", (round_[self.rank],), parent, split, round_))
+            mine = round_[self.rank]
+            lengths = () if mine is None else (self.segments[mine].length,)
+            call = ModelCall(lengths, start, lengths, state_rows[self.rank], sum(state_rows), self.capacity, sizes,
+                             self.rank, self.world if any(state_rows) else 1, False)
+            steps.append(Replay((mine,), parent, call, split, round_,
+                                tuple(1 if i is None else self.segments[i].scored for i in round_),
+                                tuple(1 if i is None else rows_ending[i] for i in round_)))
         return steps
 
     def rank_rows_after(self, parent: int | None) -> tuple[int, ...]:
@@ -252,15 +435,7 @@ class Plan:
     def tokens_forwarded(self, mode: str) -> int:
         """Tokens this rank runs through the model in a walk of ``mode``: captures, replays (real tokens),
         recomputes."""
-        total = 0
-        for step in self.steps(mode):
-            if step.phase == "release":
-                continue
-            for index in step.segments:
-                if index is not None:
-                    s = self.segments[index]
-                    total += s.own_end - s.own_start
-        return total
+        return sum(sum(step.call.lengths) for step in self.steps(mode) if step.call is not None)
 
     def held(self, mode: str) -> tuple[int, int]:
         """(segments whose state is held at once, segments whose gradient sums are held at once), the most over a
@@ -269,13 +444,13 @@ class Plan:
         path store holds (``state.PathState``) at its largest, read by the estimate."""
         states, sums, most_states, most_sums = set(), set(), 0, 0
         for step in self.steps(mode):
-            if step.phase == "release":
-                states.discard(step.segments[0])
-                sums.discard(step.segments[0])
+            if step.frees is not None:
+                states.discard(step.frees)
+                sums.discard(step.frees)
                 continue
-            if step.phase == "capture":
-                states.add(step.segments[0])
-            elif mode == "exact" and step.parent is not None:
+            if step.writes is not None:
+                states.add(step.writes)
+            elif mode == "exact" and step.differentiable and step.parent is not None:
                 sums.add(step.parent)
             most_states, most_sums = max(most_states, len(states)), max(most_sums, len(sums))
         return most_states, most_sums
@@ -325,23 +500,21 @@ class Plan:
 
 
 def _with_releases(steps: list[Step]) -> tuple[Step, ...]:
-    """``steps`` with a "release" of every captured segment right after the last step that reads its state (a
+    """``steps`` with a ``Release`` of every captured segment right after the last step that reads its state (a
     child's capture, replay or recompute) or its own recompute, whichever is later."""
     last: dict[int, int] = {}
     for k, step in enumerate(steps):
-        if step.phase == "capture":
-            last.setdefault(step.segments[0], k)
-        if step.parent is not None:
-            last[step.parent] = k
-        if step.phase == "recompute":
-            last[step.segments[0]] = k
+        if step.writes is not None:
+            last.setdefault(step.writes, k)
+        for segment in step.reads:
+            last[segment] = k
     after: dict[int, list[int]] = {}
     for segment, k in last.items():
         after.setdefault(k, []).append(segment)
     out = []
     for k, step in enumerate(steps):
         out.append(step)
-        out.extend(Step("release", (segment,), None) for segment in after.get(k, []))
+        out.extend(Release((segment,), None) for segment in after.get(k, []))
     return tuple(out)
 
 

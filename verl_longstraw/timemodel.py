@@ -6,14 +6,15 @@ assumes (``ASSUMED``), and its CPU rates are fitted to measured phases (``calibr
 Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats``' ``capture_s``, ``replay_s`` and
 ``prompt_backward_s``), summed over the plan's steps on its rank (``Plan.steps``):
 
-- FLOPs by op class (``flops.ModelCost.step_forward``, the count the walk reports): "matmul", "attention_forward",
+- FLOPs by op class (``flops.ModelCost.call_forward``, the count the walk reports): "matmul", "attention_forward",
   "scan" (the recurrences); a replay or recompute adds its backward, ``flops.BACKWARD`` x its forward, as "matmul",
   "attention_backward" and "scan" (with ``frozen_base``, LoRA's frozen weights, the matmuls' backward is their input
   gradient only: 1 x forward; the adapters' own products are not counted); ``checkpointed`` (per-layer activation
   checkpointing) runs each backward step's forward again inside its backward: its FLOPs and collectives twice;
 - "collective": bytes per rank of the context-parallel collectives the step's layer calls issue (``MixerOp.
-  collective_bytes`` of ``estimate``'s layer calls, forward and backward), a replay round's gather of the log-probs
-  (entropies, where asked, are gathered as many again: not counted) and, with ``fsdp_param_bytes``, FSDP2's:
+  collective_bytes`` of the step's layer calls, forward and backward), the walk's own (``Step.collectives``: a
+  replay round's gathers of the log-probs and losses, a scored segment's; entropies, where asked, are gathered as
+  many again: not counted) and, with ``fsdp_param_bytes``, FSDP2's:
   each model call all-gathers the parameters (their (R - 1) / R share; again for its backward) and a backward
   reduce-scatters their gradients in ``reduce_dtype``;
 - "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the gradient
@@ -69,28 +70,27 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
     differentiable = [s for layer in adapter.specs() for s in layer if s.differentiable]
     work = {phase: dict.fromkeys(WORK, 0.0) for phase in PHASES}
     for step in plan.steps(mode):
-        if step.phase not in PHASES:
+        if step.call is None:
             continue
         out = work[step.phase]
-        backward = step.phase != "capture" and mode != "log_probs"  # a log-prob walk runs no backward
+        backward = step.differentiable and mode != "log_probs"  # a log-prob walk runs no backward
         forwards = 2 if backward and checkpointed else 1
-        for name, value in cost.step_forward(plan, step).items():
+        for name, value in cost.call_forward(step.call).items():
             out[_FORWARD[name]] += forwards * value
             if backward:
                 out[_BACKWARD[name]] += (1.0 if frozen_base and name == "matmul" else BACKWARD) * value
-        calls = layers.step_calls(plan, step)
+        calls = layers.calls(step.call)
         out["layer_calls"] += len(calls)
         out["collective"] += sum(sum(op.collective_bytes(call, backward).values())
                                  + (forwards - 1) * sum(op.collective_bytes(call, False).values())
                                  for op, call in zip(adapter.ops, calls, strict=True))
         out["collective"] += gathered * (2 if backward else 1) + (grads_scattered if backward else 0)
-        if step.round:  # a CP replay round gathers every rank's float32 log-probs, padded to the longest
-            scored = [1 if leaf is None else plan.segments[leaf].scored for leaf in step.round]  # a dummy scores 1
-            out["collective"] += world * max(scored) * torch.float32.itemsize
+        # the walk's own: under CP the gathers of the scored log-probs and the losses, the sums of value gradients
+        out["collective"] += sum(step.collectives(loss=mode != "log_probs", entropy=False).values())
         if state_grad_on_host and backward and mode == "exact":
             read = calls[0].prefix  # the gradient of the state it read goes to the host sums (model dtype)
             out["host_copy"] += sum(s.nbytes(read, dtype) for s in differentiable) if read else 0
-            if step.phase == "recompute":  # its own state's float32 sums come back to the device
+            if step.keeps_own_state:  # a recompute: its own state's float32 sums come back to the device
                 out["host_copy"] += sum(s.nbytes(calls[0].tokens, torch.float32) for s in differentiable)
     return work
 

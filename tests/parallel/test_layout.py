@@ -5,7 +5,7 @@ The CP star plan's replay rounds: response round * R + r on rank r, a one-token 
 import pytest
 
 from verl_longstraw import Knobs
-from verl_longstraw.plan import star_plan
+from verl_longstraw.plan import Replay, star_plan
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -46,7 +46,7 @@ def test_replay_rounds_give_rank_r_response_round_times_r_plus_r(world):
         for rank in range(world):
             plan = star_plan(41, lengths, Knobs(chunk_size=16), world=world, rank=rank)
             for mode in ("log_probs", "exact"):
-                replays = [step for step in plan.steps(mode) if step.phase == "replay"]
+                replays = [step for step in plan.steps(mode) if isinstance(step, Replay)]
                 assert len(replays) == rounds, (num_responses, rank, mode)
                 for j, step in enumerate(replays):
                     responses = [j * world + r if j * world + r < num_responses else None for r in range(world)]

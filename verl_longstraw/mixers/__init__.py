@@ -3,7 +3,17 @@ in one process and on a context-parallel group, and its costs (saved bytes, tran
 plan step. An adapter declares one per layer; the memory estimate and the FLOP count sum them."""
 
 from .attention import Attention, RowAttention, WindowAttention
-from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, layer_needs_output, per_sequence
+from .base import (
+    LayerCall,
+    MixerOp,
+    NoMixer,
+    Saves,
+    SegmentContext,
+    apply_rope,
+    layer_calls,
+    layer_needs_output,
+    per_sequence,
+)
 from .causal_conv import CausalConv, ShortConv
 from .gated_delta import GatedDelta
 from .kda import Kda
@@ -12,6 +22,6 @@ from .mla import LatentAttention
 
 __all__ = [
     "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer",
-    "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output",
-    "per_sequence",
+    "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_calls",
+    "layer_needs_output", "per_sequence",
 ]

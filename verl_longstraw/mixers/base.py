@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..parallel import comm
-from ..plan import Split
+from ..plan import ModelCall, Split
 from ..state import LayerState, StateKind
 
 if TYPE_CHECKING:
@@ -176,6 +176,16 @@ def layer_needs_output(idx: int, num_layers: int, scores: bool) -> bool:
     or not: every layer but the last of a call that scores nothing, whose state is all that is read of it (the
     walk's ``execute.run_segment``, the estimate and the FLOP count all ask this)."""
     return scores or idx < num_layers - 1
+
+
+def layer_calls(call: ModelCall, num_layers: int, dtype: torch.dtype, device_type: str) -> list[LayerCall]:
+    """Each of ``num_layers`` layers' ``LayerCall`` in a step's model call (``plan.ModelCall``: the step's
+    ``call``), inputs of ``dtype`` on a ``device_type`` device: the one shape the estimate, the time model and the
+    benchmarks price a step's layers by."""
+    return [LayerCall(call.batch, call.tokens, call.prefix, call.state_len,
+                      layer_needs_output(idx, num_layers, call.scored is not None), call.sizes, call.rank,
+                      call.cp_size, call.consecutive, dtype, device_type, call.group_prefix)
+            for idx in range(num_layers)]
 
 
 def per_sequence(state: torch.Tensor, batch: int) -> torch.Tensor:
