@@ -73,6 +73,18 @@ def test_streamed_walk_is_the_resident_walk(family, mode, grad_on_host):
     assert not stream.resident.live
 
 
+def test_at_most_two_layers_resident():
+    """Six attention layers: the replays' and recomputes' backward (which reads every layer's saved K/V) and the
+    captures hold at most two layers' rows on the device at once, and the walk equals the resident one."""
+    model = tiny_model("qwen3", num_hidden_layers=6, layer_types=6 * ["full_attention"])
+    prompt, responses = make_group(VOCAB, 57, (5, 3))
+    resident = _backward(model, prompt, responses)
+    stream.resident.reset_peak()
+    streamed = _backward(model, prompt, responses, state_on_host=True)
+    _assert_bitwise(resident, streamed)
+    assert stream.resident.peak == 2 and not stream.resident.live
+
+
 def test_captured_state_serves_log_probs_and_backward():
     """A ``capture_prompt`` state kept on the host serves ``group_log_probs`` and then ``group_backward``."""
     model = tiny_model("qwen3")

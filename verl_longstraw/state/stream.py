@@ -55,11 +55,13 @@ class Resident:
     def reset_peak(self) -> None:
         self.peak = len(self.live)
 
-    def _add(self, key: tuple[int, int]) -> None:
+    def copied(self, key: tuple[int, int]) -> None:
+        """A copy of layer ``key``'s rows was made on the device."""
         self.live[key] = self.live.get(key, 0) + 1
         self.peak = max(self.peak, len(self.live))
 
-    def _drop(self, key: tuple[int, int]) -> None:
+    def freed(self, key: tuple[int, int]) -> None:
+        """A copy of layer ``key``'s rows was freed (its storage's finalizer)."""
         self.live[key] -= 1
         if not self.live[key]:
             del self.live[key]
@@ -198,8 +200,8 @@ class StreamedPath(Sequence):
                 copy = torch.empty_strided(rows.shape, rows.stride(), dtype=rows.dtype, device=self.device)
                 _copy_rows(copy, rows, non_blocking=stream is not None)
                 key = (id(self), idx)
-                resident._add(key)
-                weakref.finalize(copy.untyped_storage(), resident._drop, key)
+                resident.copied(key)
+                weakref.finalize(copy.untyped_storage(), resident.freed, key)
                 if copy.untyped_storage().nbytes():  # an empty copy has no address of its own
                     self.storages[copy.untyped_storage().data_ptr()] = (idx, j)
                 tensors.append(copy)
