@@ -29,7 +29,7 @@ from .knobs import Knobs
 from .parallel import comm
 from .parallel.fsdp2 import compute_device
 from .plan import Plan, star_plan, star_source, tree_plan, tree_source
-from .preflight import check_budget
+from .preflight import available_host_bytes, check_budget, check_host_budget
 from .state import PathState
 
 
@@ -215,7 +215,7 @@ def _walk(adapter: Adapter, plan: Plan, rows: Sequences, mode: str, temperature:
     with torch.no_grad() if mode == "log_probs" else nullcontext():
         return walk(adapter, plan, rows, mode, temperature, with_entropy, loss_fn, group=cp_group, state=store,
                     captured=captured, state_grad_on_host=knobs.state_grad_on_host and mode != "log_probs",
-                    stats=stats)
+                    stats=stats, state_on_host=knobs.state_on_host)
 
 
 def _group(model: nn.Module, prompt_ids: torch.Tensor, responses: list[torch.Tensor], mode: str, temperature: float,
@@ -242,8 +242,10 @@ def _group(model: nn.Module, prompt_ids: torch.Tensor, responses: list[torch.Ten
                                                                          group_plan.world, 0)
             estimate = estimate_plan(adapter.config, on_rank0, mode, next(model.parameters()).dtype,
                                      adapter=adapter, state_grad_on_host=knobs.state_grad_on_host,
-                                     device_type=compute_device(model).type)
+                                     device_type=compute_device(model).type, state_on_host=knobs.state_on_host)
             check_budget(estimate, estimate_under)
+            if estimate.host_bytes:
+                check_host_budget(estimate, available_host_bytes())
         return adapter, group_plan
 
     return _agree(cp_group, validate, {"prompt_ids": [prompt_ids], "responses": responses}, knobs,
@@ -280,7 +282,7 @@ def capture_prompt(
     stats = stats if stats is not None else GroupStats()
     mode = "exact" if for_backward else "log_probs"
     store, captured = capture(adapter, plan, _star_rows(prompt_ids, [], compute_device(model)), mode, cp_group, stats,
-                              on_host=knobs.state_grad_on_host and for_backward)
+                              on_host=knobs.state_grad_on_host and for_backward, state_on_host=knobs.state_on_host)
     return PromptState(store, captured, prompt_ids.detach().clone(), plan, for_backward)
 
 

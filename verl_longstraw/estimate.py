@@ -135,6 +135,9 @@ class MemoryEstimate:
     # ``saved_peak_bytes``)
     capture_peak_bytes: int = 0  # device bytes at the largest moment of a no-grad capture: the state stored before
     # it, any state-gradient sums, and ``_Layers.capture_transient`` of its chunk
+    state_on_host: bool = False  # the ``Rows`` state in host memory, streamed a layer at a time (``state.stream``)
+    host_state_bytes: int = 0  # with ``state_on_host``: the ``Rows`` state kept in host memory (``state_bytes`` then
+    # counts its resident window on the device)
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -179,8 +182,10 @@ class MemoryEstimate:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host bytes (``state_grad_on_host``): the state-gradient sums and their staging buffer."""
-        return self.state_grad_bytes + self.staging_bytes if self.state_grad_on_host else 0
+        """Pinned host bytes: the state-gradient sums and their staging buffer (``state_grad_on_host``), the
+        streamed state rows (``state_on_host``)."""
+        grads = self.state_grad_bytes + self.staging_bytes if self.state_grad_on_host else 0
+        return grads + self.host_state_bytes
 
 
 class _Layers:
@@ -322,6 +327,7 @@ def estimate_memory(
     device_type: str = "cuda",
     expert_parallel: bool = False,
     response_chunk_size: int | None = None,
+    state_on_host: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory of ``group_backward`` on rank ``rank`` of ``cp_size`` ranks (``cp_group``; 1: one process)
     for a prompt of ``prompt_len`` tokens and ``group_size`` responses of at most ``response_len`` tokens.
@@ -356,13 +362,25 @@ def estimate_memory(
     ``expert_parallel``: the model's routed experts are split over the CP group (``parallel.experts``); the
     largest MoE-layer call's all-to-all buffers count as a transient (``all_to_all_bytes``).
     ``response_chunk_size``: the knob (``Knobs``): longer responses replay as chains of segments this long.
+    ``state_on_host``: the knob: the ``Rows`` state in host memory (``host_state_bytes``), on the device its
+    resident window (two layers' rows) in ``state_bytes``.
     """
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be one of the cp_size={cp_size} ranks: 0 <= rank < cp_size")
     knobs = Knobs(chunk_size=chunk_size, response_chunk_size=response_chunk_size, replay_tokens=replay_tokens)
     plan = star_plan(prompt_len, [response_len] * group_size, knobs, cp_size, rank)
     return estimate_plan(config, plan, prompt_grad, dtype, adapter, state_grad_on_host, checkpointed, device_type,
-                         expert_parallel)
+                         expert_parallel, state_on_host)
+
+
+def _streamed_state(specs: list[tuple], rows: int, segments: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(device, host) bytes of a path's state of ``rows`` rows and ``segments`` held segments with ``state_on_host``:
+    the kinds that ``stream`` in host memory, on the device their two largest layers (``state.stream``: the layer
+    running and the next one's copy) and the other kinds."""
+    streamed = sorted((sum(s.path_nbytes(rows, segments, dtype) for s in layer if s.streams) for layer in specs),
+                      reverse=True)
+    kept = sum(s.path_nbytes(rows, segments, dtype) for layer in specs for s in layer if not s.streams)
+    return kept + sum(streamed[:2]), sum(streamed)
 
 
 def estimate_plan(
@@ -375,6 +393,7 @@ def estimate_plan(
     checkpointed: bool = False,
     device_type: str = "cuda",
     expert_parallel: bool = False,
+    state_on_host: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory of a training walk of ``plan`` (a star, a chain, a prefix tree: ``plan.star_plan``,
     ``plan.tree_plan``) computing ``mode`` ("exact" or "detached") on its rank (``plan.rank`` of ``plan.world``).
@@ -384,7 +403,7 @@ def estimate_plan(
     their gradient sums, the saved-for-backward peak of the largest replay (a batch of leaves after their
     parent's rows) and of the largest recompute (a captured segment after its prefix), and the transients of
     those steps and of the captures; ``detached_total_bytes`` prices the same plan's detached walk alike.
-    ``dtype`` ... ``expert_parallel``: as ``estimate_memory``.
+    ``dtype`` ... ``expert_parallel``, ``state_on_host``: as ``estimate_memory``.
     """
     if mode not in ("exact", "detached"):
         raise ValueError(f"mode must be 'exact' or 'detached' (a training walk), got {mode!r}")
@@ -392,7 +411,7 @@ def estimate_plan(
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     # the walk of ``mode`` and the detached one (the same walk in detached mode), each priced from its own steps
     walks = {walk: _walk_estimate(config, plan, walk, dtype, adapter, state_grad_on_host, checkpointed, device_type,
-                                  expert_parallel) for walk in dict.fromkeys((mode, "detached"))}
+                                  expert_parallel, state_on_host) for walk in dict.fromkeys((mode, "detached"))}
     return dataclasses.replace(walks[mode], detached_total_bytes=walks["detached"].total_bytes)
 
 
@@ -447,7 +466,7 @@ class _BackwardPeak:
 
 
 def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: Adapter, state_grad_on_host: bool,
-                   checkpointed: bool, device_type: str, expert_parallel: bool) -> MemoryEstimate:
+                   checkpointed: bool, device_type: str, expert_parallel: bool, state_on_host: bool) -> MemoryEstimate:
     """``estimate_plan``'s figures of one walk (a text ``config``, an ``adapter``), priced from its steps in order;
     ``detached_total_bytes`` left 0."""
     specs = adapter.specs()
@@ -460,6 +479,9 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
     # the held segments' state besides one segment's (a Rows buffer is one whatever the segments)
     boundaries = state - sum(s.path_nbytes(rows, 1, dtype) for s in kinds) if states_held else 0
+    host_state = 0
+    if state_on_host and states_held:
+        state, host_state = _streamed_state(specs, rows, states_held, dtype)
     state_grad = leaf_grad = staging = 0
     if mode == "exact" and grads_held:
         grad_dtype = torch.promote_types(dtype, torch.float32)
@@ -541,4 +563,6 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         backward_peak_saved_bytes=peak.saved,
         backward_peak_transient_bytes=peak.transient,
         capture_peak_bytes=capture_peak,
+        state_on_host=state_on_host,
+        host_state_bytes=host_state,
     )

@@ -41,6 +41,7 @@ from .parallel.fsdp2 import compute_device
 from .plan import Capture, Plan, Recompute, Release, Replay, Split, Step
 from .score import Scoring, score
 from .state import LayerState, PathState
+from .state.stream import saving_as_host_rows
 from .timing import Stopwatch, phase
 
 LossFn = Callable[..., torch.Tensor]
@@ -51,7 +52,7 @@ class GroupStats:
     """What a walk cost on this rank: bytes held (the largest over the walks recorded), seconds per phase,
     tokens run through the model per phase (captured, replayed: real tokens, recomputed) and the FLOPs they ran."""
 
-    prompt_state_bytes: int = 0
+    prompt_state_bytes: int = 0  # host rows included (``state_on_host``)
     state_grad_device_bytes: int = 0  # exact mode: float32 state-gradient sums on the device
     state_grad_host_bytes: int = 0  # the same, kept in host memory (``state_grad_on_host``)
     capture_s: float = 0.0
@@ -62,6 +63,7 @@ class GroupStats:
     tokens_recomputed: int = 0
     segments: int = 0  # segments of the plans walked
     model_flops: float = 0.0  # forward and backward FLOPs of every call, recomputes included (``flops``)
+    prompt_state_host_bytes: int = 0  # of ``prompt_state_bytes``, the rows kept in host memory (``state_on_host``)
 
     @property
     def tokens_forwarded(self) -> int:
@@ -327,6 +329,7 @@ class _Walk:
         self.stats.tokens_captured += s.own_end - s.own_start
         self.stats.model_flops += self._flops(step)
         self.stats.prompt_state_bytes = max(self.stats.prompt_state_bytes, self.store.nbytes())
+        self.stats.prompt_state_host_bytes = max(self.stats.prompt_state_host_bytes, self.store.host_nbytes())
         if s.scored:
             self._keep_segment_values(step, out)
         rows = self.rows_ending.get(s.index, [])
@@ -357,7 +360,7 @@ class _Walk:
             else:  # a dummy: one token, so the rank's calls match the others'
                 inputs = targets = self.sequences.span(0, 0, 1)
             lengths = [len(inputs)]
-        with torch.enable_grad() if self.backward else torch.no_grad():
+        with torch.enable_grad() if self.backward else torch.no_grad(), saving_as_host_rows(past):
             out = run_segment(self.adapter, inputs, step.call.start, past, self._scoring(targets),
                               step.split if step.sharded else None, self.group)
             # a leaf's values start where it scores: under CP a leaf may begin with fewer than R unscored positions
@@ -408,7 +411,7 @@ class _Walk:
         parent_rows = self._parent_rows(step.parent)
         past = self.store.leaves(step.parent, parent_rows, requires_grad=self.exact)
         scoring = self._segment_scoring(s.index, targets)
-        with torch.enable_grad():
+        with torch.enable_grad(), saving_as_host_rows(past):
             out = run_segment(self.adapter, inputs, s.own_start, past, scoring, step.split, self.group)
         forward = self._flops(step)
         self.stats.model_flops += forward
@@ -465,14 +468,17 @@ def walk(
     captured: frozenset[int] = frozenset(),
     state_grad_on_host: bool = False,
     stats: GroupStats | None = None,
+    state_on_host: bool = False,
 ) -> GroupResult:
     """Run ``plan`` over ``sequences`` computing ``mode`` (``plan.MODES``); ``loss_fn`` (modes "exact",
     "detached") gets each row's values and its backward accumulates into the parameters' ``.grad``.
 
     ``state``: a store already holding the segments ``captured`` (``capture``), which are not captured again and
-    not released. Returns every row's values (and losses) on every rank.
+    not released. ``state_grad_on_host``, ``state_on_host``: the store's (``PathState``; a ``state``'s own). Returns
+    every row's values (and losses) on every rank.
     """
-    store = state if state is not None else PathState(adapter.specs(), plan.capacity, state_grad_on_host)
+    store = state if state is not None else PathState(adapter.specs(), plan.capacity, state_grad_on_host,
+                                                      state_on_host)
     stats = stats if stats is not None else GroupStats()
     stats.segments += len(plan.segments)
     run = _Walk(adapter, plan, sequences, mode, temperature, with_entropy, loss_fn, group, store, captured, stats)
@@ -490,11 +496,11 @@ def walk(
 
 
 def capture(adapter: Adapter, plan: Plan, sequences: Sequences, mode: str, group: comm.Group, stats: GroupStats,
-            on_host: bool = False) -> tuple[PathState, frozenset[int]]:
+            on_host: bool = False, state_on_host: bool = False) -> tuple[PathState, frozenset[int]]:
     """Run the steps of a ``mode`` walk of ``plan`` up to its first differentiable one (a replay or recompute;
-    a star's prompt chain: its captures, and the releases of what that mode no longer needs): the store and the
-    segments captured, for ``walk(state=..., captured=...)``."""
-    store = PathState(adapter.specs(), plan.capacity, on_host)
+    a star's prompt chain: its captures, and the releases of what that mode no longer needs): the store
+    (``PathState(..., on_host, state_on_host)``) and the segments captured, for ``walk(state=..., captured=...)``."""
+    store = PathState(adapter.specs(), plan.capacity, on_host, state_on_host)
     run = _Walk(adapter, plan, sequences, mode, 1.0, False, None, group, store, frozenset(), stats)
     run.run(stop_before_backward=True)
     return store, frozenset(run.stored)

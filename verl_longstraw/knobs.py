@@ -32,6 +32,7 @@ class Knobs:
     replay_tokens: int = REPLAY_TOKENS
     prompt_grad: str = "exact"
     state_grad_on_host: bool = False
+    state_on_host: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and not _positive_int(self.chunk_size):
@@ -50,6 +51,8 @@ class Knobs:
             raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {self.prompt_grad!r}")
         if not isinstance(self.state_grad_on_host, bool):
             raise ValueError(f"state_grad_on_host must be True or False, got {self.state_grad_on_host!r}")
+        if not isinstance(self.state_on_host, bool):
+            raise ValueError(f"state_on_host must be True or False, got {self.state_on_host!r}")
 
     def plans_like(self, other: Knobs) -> bool:
         """Whether a plan built with ``other`` is the plan built with these: the knobs a plan reads

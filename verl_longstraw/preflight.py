@@ -1,13 +1,16 @@
 """The pre-flight check, before any capture: whether one rank's walk fits its device budget, read off the memory
 estimate of each unit's plan (``estimate.estimate_plan``) and the bytes the model holds besides.
 
-``check_budget`` turns one estimate into an actionable MemoryError naming the knobs that shrink it; ``choose_units``
+``check_budget`` turns one estimate into an actionable MemoryError naming the knobs that shrink it, and
+``check_host_budget`` its host figure (``state_on_host``, ``state_grad_on_host``) against the node's available
+memory (``available_host_bytes``) shared by its ranks; ``choose_units``
 picks, of candidate ways to split a step into units (prefix trees, each walked as one plan), the first whose largest
 unit fits on every rank of the process group, so every rank walks the same units and all raise together.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -70,13 +73,49 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
 
 
 
+def available_host_bytes() -> int:
+    """Bytes of host memory the node can still give (``MemAvailable`` of /proc/meminfo; elsewhere its free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_budget(estimate: MemoryEstimate, available_bytes: int, ranks_per_host: int = 1) -> None:
+    """Raise MemoryError when ``ranks_per_host`` ranks' host bytes (``estimate.host_bytes`` each: the streamed
+    prompt state of ``state_on_host``, the state-gradient sums of ``state_grad_on_host``) exceed the node's
+    ``available_bytes``, naming the fields and what each puts there."""
+    e, needed = estimate, estimate.host_bytes * ranks_per_host
+    if needed <= available_bytes:
+        return
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.3g} GiB"
+
+    grads = e.host_bytes - e.host_state_bytes
+    raise MemoryError(
+        f"estimated {gib(needed)} of host memory ({ranks_per_host} rank(s) of this node x {gib(e.host_bytes)}) > "
+        f"{gib(available_bytes)} available (MemAvailable): state_on_host keeps {gib(e.host_state_bytes)} of prompt "
+        f"state rows a rank there, state_grad_on_host {gib(grads)} of state-gradient sums and their staging buffer. "
+        "To fit: state_on_host=False or state_grad_on_host=False where the device can hold them instead, a larger "
+        "context-parallel size R (each rank holds 1/R of the rows), fewer ranks per node, or a shorter prompt")
+
+
 def over_budget(estimate: MemoryEstimate, model_bytes: int, budget: Budget, describe: Callable[[], str], held: str,
                 knobs_hint: str) -> str | None:
     """Why the walk of ``estimate`` does not fit ``budget`` beside ``model_bytes`` (the unsharded parameters and
-    gradients of ``held``), naming what is walked (``describe()``, asked only then), the knobs (``check_budget``)
-    and ``knobs_hint`` (where the caller's knobs are set); None when it fits."""
+    gradients of ``held``), or its host bytes the node's available memory shared by the node's ranks
+    (``check_host_budget``; ``LOCAL_WORLD_SIZE`` ranks, 1 where unset), naming what is walked (``describe()``, asked
+    only then), the knobs (``check_budget``) and ``knobs_hint`` (where the caller's knobs are set); None when it
+    fits."""
     try:
         check_budget(estimate, budget.nbytes - model_bytes)
+        if estimate.host_bytes:
+            check_host_budget(estimate, available_host_bytes(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except MemoryError as exc:
         return (
             f"LongStraw pre-flight check, before any capture: {describe()} does not fit the budget "

@@ -225,6 +225,30 @@ def test_state_gradient_on_host_same_step_and_reported(engines):
     assert sum(device_metrics["longstraw/cp_collective_bytes"].values) == 0  # no CP group
 
 
+def test_state_on_host_same_step_and_reported(engines):
+    """longstraw.state_on_host: the same step (its checkpointed replays and recomputes bring each layer's rows from
+    the host), the rows reported on the host."""
+    import dataclasses
+
+    _, longstraw = engines("qwen3_next")
+    td = make_batch(n_groups=1, group_size=MBS, seed=8)
+    cfg = actor_config("longstraw", "token-mean", False, 0.0, MBS)
+    knobs, lr = longstraw.longstraw, longstraw.optimizer.param_groups[0]["lr"]
+    try:
+        results = []
+        for on_host in (False, True):  # lr 0: both steps start from the same parameters
+            longstraw.optimizer.param_groups[0]["lr"] = 0.0
+            longstraw.longstraw = dataclasses.replace(knobs, state_on_host=on_host)
+            results.append(train_step(longstraw, td.clone(), cfg, MBS))
+    finally:
+        longstraw.longstraw = knobs
+        longstraw.optimizer.param_groups[0]["lr"] = lr
+    (resident, _, resident_metrics), (streamed, _, streamed_metrics) = results
+    assert rel_diff(streamed, resident) < 1e-6
+    assert max(resident_metrics["longstraw/prompt_state_host_bytes"].values) == 0
+    assert max(streamed_metrics["longstraw/prompt_state_host_bytes"].values) > 0
+
+
 def test_preflight_fails_an_oversized_step_before_any_capture(engines, monkeypatch):
     import dataclasses
 

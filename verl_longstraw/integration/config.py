@@ -44,6 +44,14 @@ class LongStrawConfig(BaseConfig):
         "exact mode: keep the float32 prompt-state gradient sums in host memory instead of on the device "
         "(pinned at their exact size with CUDA; each gradient staged through one pinned buffer of the largest "
         "state tensor, its copy overlapping the backward)."))
+    state_on_host: bool = _knob(False, (
+        "keep the captured prompt state that grows with the prompt (K/V rows, MLA latents, DSA index keys) in "
+        "host memory (pinned with CUDA), written as captures and recomputes produce it, and bring one layer's rows "
+        "to the device just before that layer runs in a capture, replay, recompute or backward, the next layer's "
+        "copy in flight on a side stream (`verl_longstraw/state/stream.py`): the device holds one or two layers' "
+        "rows instead of every layer's, the node's host memory the rest (the pre-flight checks both). Fixed-size "
+        "states (convolution, recurrent, sliding windows) stay on the device. Costs host-to-device traffic of the "
+        "prompt state per replay round and recompute. Combine with `state_grad_on_host` for exact mode."))
     preflight: bool = _knob(True, (
         "before the first capture of each call, compare the memory estimate of its largest unit "
         "(`verl_longstraw.estimate.estimate_plan` of its prefix tree's plan) with the budget. The trees of the "
@@ -90,7 +98,8 @@ class LongStrawConfig(BaseConfig):
         try:
             knobs = Knobs(chunk_size=self.chunk_size, response_chunk_size=self.response_chunk_size,
                           min_shared_tokens=self.min_shared_tokens, replay_tokens=self.replay_tokens,
-                          prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host)
+                          prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host,
+                          state_on_host=self.state_on_host)
         except ValueError as exc:
             raise ValueError(f"{where}.{exc}") from None
         self.knobs = knobs  # not a field: the config's keys stay the ones above

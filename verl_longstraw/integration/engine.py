@@ -251,6 +251,7 @@ class LongStrawEngine(FSDPEngineWithLMHead):
             self._compute_dtype(), adapter=adapter, state_grad_on_host=knobs.state_grad_on_host,
             checkpointed=self.model_config.enable_gradient_checkpointing and not forward_only,
             device_type=get_device_name(), expert_parallel=self.longstraw.expert_parallel,
+            state_on_host=knobs.state_on_host,
         )
 
     def _walk(self, walk: WalkRows, units: list[Tree], loss_function: Optional[Callable], strategy: LossStrategy,

@@ -1,16 +1,16 @@
 """The `longstraw/*` metrics of one `forward_backward_batch` call on this rank; seconds, tokens and bytes moved sum
 over calls, sizes held take the max.
 
-Of the walk (``walk_metrics``, read off its ``GroupStats``, counted where the walk runs): `prompt_state_bytes` and
-`state_grad_*_bytes` are this rank's (1/R of a group under context parallelism); `cp_collective_bytes` the tensors
-this rank passed to the CP collectives (`verl_longstraw.parallel.comm`), `ep_collective_bytes` the token tensors it
-passed to the experts' all-to-alls, forward and backward (`experts.trace_all_to_all`; 0 without expert
-parallelism). `peak_memory_gb` is the device's peak allocated memory since `forward_backward_batch` started (on the
-CPU platform: the process's peak resident set size over the same span). `tokens_forwarded`: tokens this rank ran
-through the model (captures, replays, recomputes; `GroupStats.tokens_forwarded`); `tree_segments`: segments of the
-plans walked (each walk of a unit counts its plan's); `model_flops`: the FLOPs those calls ran, forward, backward
-and recompute (`verl_longstraw.flops`); `fragments`: the units walked; `single_forward`: 1 when training replayed
-each response once, 0 for two passes (not logged forward only).
+Of the walk (``walk_metrics``, read off its ``GroupStats``, counted where the walk runs): `prompt_state_bytes` (of which
+`prompt_state_host_bytes` in host memory, `state_on_host`) and `state_grad_*_bytes` are this rank's (1/R of a group
+under context parallelism); `cp_collective_bytes` the tensors this rank passed to the CP collectives
+(`verl_longstraw.parallel.comm`), `ep_collective_bytes` the token tensors it passed to the experts' all-to-alls, forward
+and backward (`experts.trace_all_to_all`; 0 without expert parallelism). `peak_memory_gb` is the device's peak allocated
+memory since `forward_backward_batch` started (on the CPU platform: the process's peak resident set size over the same
+span). `tokens_forwarded`: tokens this rank ran through the model (captures, replays, recomputes;
+`GroupStats.tokens_forwarded`); `tree_segments`: segments of the plans walked (each walk of a unit counts its plan's);
+`model_flops`: the FLOPs those calls ran, forward, backward and recompute (`verl_longstraw.flops`); `fragments`: the
+units walked; `single_forward`: 1 when training replayed each response once, 0 for two passes (not logged forward only).
 
 Of the call (``call_metrics``): `mfu`, `model_flops` over the call's seconds and the device's peak (`flops.mfu`; not
 logged where no peak is known, e.g. on CPU); `star_tokens_forwarded`, what the star path (one plan per GRPO group
@@ -46,6 +46,7 @@ def walk_metrics(stats: GroupStats, units: int, single_forward: Optional[bool],
     return {
         **metrics,
         "longstraw/prompt_state_bytes": Metric(AggregationType.MAX, float(stats.prompt_state_bytes)),
+        "longstraw/prompt_state_host_bytes": Metric(AggregationType.MAX, float(stats.prompt_state_host_bytes)),
         "longstraw/state_grad_device_bytes": Metric(AggregationType.MAX, float(stats.state_grad_device_bytes)),
         "longstraw/state_grad_host_bytes": Metric(AggregationType.MAX, float(stats.state_grad_host_bytes)),
         "longstraw/cp_collective_bytes": Metric(AggregationType.SUM, float(moved)),

@@ -14,17 +14,18 @@ kind it is, so a new kind (e.g. a sliding window of the last W rows) is one clas
   sends the window's gradient into both).
 
 Storage protocol (per state tensor of a layer), used by ``store.PathState``:
-``open(value, capacity)`` the storage at the first write, ``write(storage, key, row_start, value)``,
-``read(storage, parent, row_end)`` (the state a segment continues; a root continues nothing),
-``release(storage, key)``; the gradient sums mirror it (``add_grad``, ``grad_for``, ``release_grad``) in float32
-(float64 for float64 state).
+``open(value, capacity, on_host)`` the storage at the first write (in host memory with ``on_host`` where the kind
+``streams``: ``state_on_host`` keeps those rows on the host, ``state.stream`` brings a layer's to the device),
+``write(storage, key, row_start, value)``, ``read(storage, parent, row_end)`` (the state a segment continues; a
+root continues nothing), ``release(storage, key)``; the gradient sums mirror it (``add_grad``, ``grad_for``,
+``release_grad``) in float32 (float64 for float64 state).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +55,7 @@ class StateKind:
     shape: tuple[int, ...]
     differentiable: bool = True
     min_dtype: torch.dtype | None = None
+    streams: ClassVar[bool] = False  # ``state_on_host`` keeps its storage in host memory (``state.stream``)
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the tensor in a model of ``model_dtype``."""
@@ -72,7 +74,9 @@ class StateKind:
         raise NotImplementedError
 
     # -- along a path (store.PathState) ------------------------------------------------
-    def open(self, value: torch.Tensor, capacity: int) -> Any:
+    def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> Any:
+        """The storage of a path of ``capacity`` rows, made at the first write of ``value``; in host memory with
+        ``on_host`` for a kind that ``streams``."""
         raise NotImplementedError
 
     def write(self, storage: Any, key: Key, row_start: int, value: torch.Tensor) -> None:
@@ -109,7 +113,10 @@ class StateKind:
 @dataclass(frozen=True)
 class Rows(StateKind):
     """One row per token: ``shape`` is one token's row, tokens on dim -2 (e.g. K [1, kv_heads, 1, head_dim]).
-    Storage: one buffer [..., capacity, d] in position order (a path's rows are a view of its first rows)."""
+    Storage: one buffer [..., capacity, d] in position order (a path's rows are a view of its first rows); with
+    ``on_host`` in host memory of exactly its bytes (``host.host_zeros``: pinned where CUDA is available)."""
+
+    streams: ClassVar[bool] = True
 
     def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
         return math.prod(self.shape) * rows * self.dtype(model_dtype).itemsize
@@ -117,8 +124,9 @@ class Rows(StateKind):
     def empty(self, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(*self.shape[:-2], 0, self.shape[-1], dtype=self.dtype(like.dtype))
 
-    def open(self, value: torch.Tensor, capacity: int) -> torch.Tensor:
-        return value.new_empty(*value.shape[:-2], capacity, value.shape[-1])
+    def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> torch.Tensor:
+        shape = (*value.shape[:-2], capacity, value.shape[-1])
+        return host.host_zeros(shape, value.dtype) if on_host else value.new_empty(shape)
 
     def write(self, storage: torch.Tensor, key: Key, row_start: int, value: torch.Tensor) -> None:
         storage[..., row_start : row_start + value.shape[-2], :] = value
@@ -161,7 +169,7 @@ class Fixed(StateKind):
     def empty(self, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(self.shape, dtype=self.dtype(like.dtype))
 
-    def open(self, value: torch.Tensor, capacity: int) -> dict[Key, torch.Tensor]:
+    def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> dict[Key, torch.Tensor]:
         return {}
 
     def write(self, storage: dict, key: Key, row_start: int, value: torch.Tensor) -> None:

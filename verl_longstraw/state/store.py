@@ -7,6 +7,10 @@ buffer of the plan's longest path (``Plan.capacity`` rows on this rank), for ``F
 of each segment on the path. The exact backward sums d(loss)/d(state) the same way, in float32 (float64 for
 float64 state), on the device or in host memory (``state.host``: pinned at its exact size, each gradient staged
 through one pinned buffer of ``staging_nbytes`` and added on the host while the backward goes on).
+
+``state_on_host``: the kinds that ``stream`` keep their buffer in host memory (written as the captures and
+recomputes produce the rows), and ``read``/``leaves`` give a ``stream.StreamedPath`` that brings one layer's rows to
+the device at a time; the other kinds stay on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from ..memory import storage_nbytes
 from .host import StagedCopies
 from .kinds import Key, StateKind
+from .stream import HostRows, StreamedPath, copies_landed
 
 LayerState = tuple[torch.Tensor, ...]
 
@@ -31,12 +36,16 @@ def staging_nbytes(kinds: list[tuple[StateKind, ...]], capacity: int, model_dtyp
 
 class PathState:
     """Per-layer state (``kinds[layer][j]`` describes tensor j of a layer) along a path of at most ``capacity``
-    rows on this rank; ``on_host``: the gradient sums live in host memory."""
+    rows on this rank; ``on_host``: the gradient sums live in host memory; ``state_on_host``: the rows of the kinds
+    that ``stream`` do (module docstring)."""
 
-    def __init__(self, kinds: list[tuple[StateKind, ...]], capacity: int, on_host: bool = False):
+    def __init__(self, kinds: list[tuple[StateKind, ...]], capacity: int, on_host: bool = False,
+                 state_on_host: bool = False):
         self.kinds = kinds
         self.capacity = capacity
         self.on_host = on_host
+        self.state_on_host = state_on_host
+        self.device: torch.device | None = None  # where the layers run: the first write's
         self.storage: list[list[Any]] | None = None  # opened by the first write, in its dtype
         self.sums: list[list[Any]] = [[None] * len(layer) for layer in kinds]
         self.staged: StagedCopies | None = None  # on_host: made at the first write, sized for the model's dtype
@@ -44,8 +53,10 @@ class PathState:
     def write(self, key: Key, row_start: int, state: list[LayerState]) -> None:
         """Store segment ``key``'s state (rows for ``Rows`` kinds from ``row_start``, end values otherwise)."""
         if self.storage is None:
+            self.device = state[0][0].device
             self.storage = [
-                [kind.open(value, self.capacity) for kind, value in zip(layer, values, strict=True)]
+                [kind.open(value, self.capacity, self._streams(kind)) for kind, value in zip(layer, values,
+                                                                                             strict=True)]
                 for layer, values in zip(self.kinds, state, strict=True)
             ]
             if self.on_host:  # the model's dtype: a state tensor's without a minimum dtype of its own
@@ -53,49 +64,74 @@ class PathState:
                          for kind, value in zip(layer, values, strict=True)]
                 model_dtype = next((v.dtype for k, v in pairs if k.min_dtype is None), pairs[0][1].dtype)
                 self.staged = StagedCopies(staging_nbytes(self.kinds, self.capacity, model_dtype))
+        elif self.state_on_host:
+            copies_landed(self.device)
         for layer, storages, values in zip(self.kinds, self.storage, state, strict=True):
             for kind, storage, value in zip(layer, storages, values, strict=True):
                 kind.write(storage, key, row_start, value)
 
-    def read(self, parent: Key | None, row_end: int) -> list[LayerState] | None:
-        """The state after segment ``parent`` (its path's ``row_end`` rows on this rank); None before a root."""
-        if parent is None:
-            return None
+    def _streams(self, kind: StateKind) -> bool:
+        """Whether ``kind``'s storage lives in host memory (``state_on_host``, a kind that ``streams``)."""
+        return self.state_on_host and kind.streams
+
+    def _read(self, parent: Key, row_end: int) -> list[LayerState]:
         return [
             tuple(kind.read(storage, parent, row_end) for kind, storage in zip(layer, storages, strict=True))
             for layer, storages in zip(self.kinds, self.storage, strict=True)
         ]
 
-    def leaves(self, parent: Key | None, row_end: int, requires_grad: bool) -> list[LayerState] | None:
+    def read(self, parent: Key | None, row_end: int) -> list[LayerState] | StreamedPath | None:
+        """The state after segment ``parent`` (its path's ``row_end`` rows on this rank); None before a root. With
+        ``state_on_host`` a ``StreamedPath`` (the host rows brought to the device a layer at a time)."""
+        if parent is None:
+            return None
+        past = self._read(parent, row_end)
+        if not self.state_on_host:
+            return past
+        return StreamedPath([tuple(HostRows(value) if self._streams(kind) else value
+                                   for kind, value in zip(layer, values, strict=True))
+                             for layer, values in zip(self.kinds, past, strict=True)], self.device)
+
+    def leaves(self, parent: Key | None, row_end: int, requires_grad: bool) -> list[LayerState] | StreamedPath | None:
         """``read(parent, row_end)`` as autograd leaves. With ``requires_grad`` the differentiable ones require
         grad and hand it straight into the sums as the backward produces it (a post-accumulate-grad hook adds a
         leaf's ``.grad`` and drops it): only the layers whose backward is running hold a state gradient in the
-        model's dtype, never every layer's at once."""
-        past = self.read(parent, row_end)
-        if past is None:
+        model's dtype, never every layer's at once. With ``state_on_host`` the host rows are ``HostRows`` of a
+        ``StreamedPath`` handing their gradient to the sums the same way (``HostRows.hand_grad``)."""
+        if parent is None:
             return None
         out = []
-        for j_layer, (layer, values) in enumerate(zip(self.kinds, past, strict=True)):
+        for j_layer, (layer, values) in enumerate(zip(self.kinds, self._read(parent, row_end), strict=True)):
             leaves = []
             for j, (kind, value) in enumerate(zip(layer, values, strict=True)):
-                leaf = value.detach()
+                hand_grad = None
                 if requires_grad and kind.differentiable:
+                    hand_grad = functools.partial(self._hand_grad, j_layer, j, parent, row_end)
+                if self._streams(kind):
+                    leaves.append(HostRows(value, hand_grad))
+                    continue
+                leaf = value.detach()
+                if hand_grad is not None:
                     leaf.requires_grad_()
-                    leaf.register_post_accumulate_grad_hook(functools.partial(self._add_grad, j_layer, j, parent,
-                                                                              row_end))
+                    leaf.register_post_accumulate_grad_hook(functools.partial(self._add_grad, hand_grad))
                 leaves.append(leaf)
             out.append(tuple(leaves))
-        return out
+        return StreamedPath(out, self.device) if self.state_on_host else out
 
-    def _add_grad(self, layer: int, j: int, parent: Key, row_end: int, leaf: torch.Tensor) -> None:
-        """Add ``leaf.grad`` (tensor ``j`` of ``layer`` read by ``leaves(parent, row_end, True)``) into the sums, on
-        the host once its staged copy has landed (``StagedCopies``); clears it."""
+    @staticmethod
+    def _add_grad(hand_grad, leaf: torch.Tensor) -> None:
+        """Hand ``leaf.grad`` to ``hand_grad`` (``_hand_grad`` of the leaf's tensor); clears it."""
+        hand_grad(leaf.grad)
+        leaf.grad = None
+
+    def _hand_grad(self, layer: int, j: int, parent: Key, row_end: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` (of tensor ``j`` of ``layer`` read by ``leaves(parent, row_end, True)``) into the sums, on
+        the host once its staged copy has landed (``StagedCopies``)."""
         add = functools.partial(self._add_to_sums, layer, j, parent, row_end)
         if self.on_host:
-            self.staged.add(leaf.grad, add)
+            self.staged.add(grad, add)
         else:
-            add(leaf.grad)
-        leaf.grad = None
+            add(grad)
 
     def _add_to_sums(self, layer: int, j: int, parent: Key, row_end: int, grad: torch.Tensor) -> None:
         self.sums[layer][j] = self.kinds[layer][j].add_grad(self.sums[layer][j], parent, row_end, grad,
@@ -142,8 +178,17 @@ class PathState:
             self.staged.tensors() if self.staged is not None else [])
 
     def nbytes(self) -> int:
-        """Bytes of the storages the state keeps alive (each counted once and whole); the token ids not counted."""
+        """Bytes of the storages the state keeps alive (each counted once and whole; host rows included); the token
+        ids not counted."""
         return storage_nbytes(self.tensors())
+
+    def host_nbytes(self) -> int:
+        """Bytes of the storages kept in host memory (``state_on_host``: the kinds that ``stream``)."""
+        if self.storage is None:
+            return 0
+        return storage_nbytes([t for layer, storages in zip(self.kinds, self.storage, strict=True)
+                               for kind, storage in zip(layer, storages, strict=True) if self._streams(kind)
+                               for t in kind.tensors(storage)])
 
     def layer_nbytes(self, layer: int) -> int:
         """Bytes of the storages layer ``layer``'s state keeps alive."""

@@ -1,0 +1,243 @@
+"""A path's prompt state in host memory, brought to the device one layer at a time (``state_on_host``).
+
+With ``state_on_host`` the store (``store.PathState``) keeps the kinds that ``stream`` (``Rows``: K/V, MLA latents,
+DSA index keys) in host memory, pinned where CUDA is available, and the state a segment continues is a
+``StreamedPath``: a sequence of per-layer states whose item ``l`` is layer l's rows copied to the device when the
+walk's layer l asks for it (``execute.run_segment`` reads ``past[l]`` right before it runs the layer), with the next
+layer's copy already issued (on CUDA on a copy stream of its own, so it overlaps layer l; elsewhere at once). The
+other kinds (``Fixed``, ``Window``: sizes bounded by the model, not the prompt) stay on the device as they are.
+
+A forward with autograd saves views of a layer's state for its backward (the attention ops save the prefix K/V),
+which would hold every layer's copy until the backward. Inside ``saving_as_host_rows(past)`` a saved tensor that is
+(a view of) a copy is packed as a reference to its layer (``torch.autograd.graph.saved_tensors_hooks``: its layer,
+tensor and view geometry) and unpacked in the backward by copying that layer's rows to the device again, the layer
+before it (in backward order) issued at the same time. So one or two layers' rows are on the device at a time
+(``resident`` counts them).
+
+Exact mode: a copy that must hand a gradient to the store goes through ``_HandGrad``, whose backward hands the
+gradient summed over the copy's uses to ``HostRows.hand_grad`` (the store adds it into its float32 sums as it does
+a state leaf's ``.grad``); the copy is no autograd leaf, so the graph does not keep it alive.
+
+On CPU the host and the device are the same memory but the copies are made all the same (new storage, the host
+rows' strides), so a CPU run exercises every step and computes what the resident walk computes, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+GradHandler = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """One state tensor of a layer kept in host memory: ``rows`` [..., row_end, d] (a view of the store's host
+    buffer); ``hand_grad`` (exact mode, a differentiable kind) takes d(loss)/d(rows) on the device once a backward
+    has summed it over the rows' uses; None: the rows are a constant."""
+
+    rows: torch.Tensor
+    hand_grad: GradHandler | None = None
+
+
+@dataclass
+class Resident:
+    """Layers whose streamed rows are on the device now (``live``: (path id, layer) -> live copies) and the most
+    layers at once since the last ``reset_peak`` (``peak``)."""
+
+    live: dict[tuple[int, int], int] = field(default_factory=dict)
+    peak: int = 0
+
+    def reset_peak(self) -> None:
+        self.peak = len(self.live)
+
+    def copied(self, key: tuple[int, int]) -> None:
+        """A copy of layer ``key``'s rows was made on the device."""
+        self.live[key] = self.live.get(key, 0) + 1
+        self.peak = max(self.peak, len(self.live))
+
+    def freed(self, key: tuple[int, int]) -> None:
+        """A copy of layer ``key``'s rows was freed (its storage's finalizer)."""
+        self.live[key] -= 1
+        if not self.live[key]:
+            del self.live[key]
+
+
+resident = Resident()
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream host-to-device copies run on (one per CUDA device); None off CUDA (copies run at once)."""
+    if device.type != "cuda":
+        return None
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+def copies_landed(device: torch.device) -> None:
+    """Wait until every copy issued to ``device`` has read its host rows (before the store overwrites host rows a
+    prefetch of another path may still be reading: a sibling segment's, after its parent's rows)."""
+    if device in _COPY_STREAMS:
+        _COPY_STREAMS[device].synchronize()
+
+
+def _copy_rows(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
+    """Copy ``source`` [..., n, d] (rows of a buffer [..., capacity, d]) into ``destination`` (the same strides), one
+    contiguous [n, d] block per leading index: each block one direct copy from pinned memory."""
+    rows = source.shape[-2:]
+    for to, of in zip(destination.view(-1, *rows), source.view(-1, *rows), strict=True):
+        to.copy_(of, non_blocking=non_blocking)
+
+
+@dataclass
+class _Copies:
+    """One layer's device copies (None for the tensors that stay on the device) and, on CUDA, the event after
+    which they have landed."""
+
+    tensors: list[torch.Tensor | None]
+    landed: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class _SavedRows:
+    """A saved tensor packed as a view of tensor ``j`` of layer ``layer``'s device copy."""
+
+    layer: int
+    j: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _HandGrad(torch.autograd.Function):
+    """``rows`` as they are (a view), whose gradient, summed over its uses, goes to ``hand`` instead of to a leaf;
+    ``anchor`` (an empty tensor requiring grad) makes the output require grad."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, rows: torch.Tensor, hand: GradHandler) -> torch.Tensor:
+        ctx.hand = hand
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.hand(grad)
+        return None, None, None
+
+
+class StreamedPath(Sequence):
+    """The state a segment continues, per layer (module docstring): ``layers[l][j]`` a device tensor (a kind that
+    stays on the device, as ``PathState.read``/``leaves`` give it) or ``HostRows``; ``device``: where layers run.
+    Item ``l`` is layer l's state on the device, the ``HostRows`` copied (and, with a ``hand_grad``, behind
+    ``_HandGrad``)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor | HostRows, ...]], device: torch.device):
+        self.layers = layers
+        self.device = device
+        self.streamed = [idx for idx, layer in enumerate(layers) if any(isinstance(t, HostRows) for t in layer)]
+        self.copies: dict[int, _Copies] = {}
+        self.storages: dict[int, tuple[int, int]] = {}  # data_ptr of a copy's storage -> (layer, j)
+        self.anchor: torch.Tensor | None = None
+        if any(isinstance(t, HostRows) and t.hand_grad is not None for layer in layers for t in layer):
+            self.anchor = torch.empty(0, device=device, requires_grad=True)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``idx``'s state on the device, the next streamed layer's copy issued (forward order)."""
+        if idx not in self.streamed:
+            return self.layers[idx]
+        copies = self._take(idx, forward=True)
+        out = []
+        for value, copy in zip(self.layers[idx], copies, strict=True):
+            if not isinstance(value, HostRows):
+                out.append(value)
+            elif value.hand_grad is None:
+                out.append(copy)
+            else:
+                out.append(_HandGrad.apply(self.anchor, copy, value.hand_grad))
+        return tuple(out)
+
+    def _take(self, idx: int, forward: bool) -> list[torch.Tensor | None]:
+        """Layer ``idx``'s copies, landed for the current stream; every other layer's dropped but the next one's in
+        the walk's order (``forward``: the next layer up, else the next down), which is issued now."""
+        if idx not in self.copies:
+            self._issue(idx)
+        copies = self.copies[idx]
+        if copies.landed is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(copies.landed)
+            for t in copies.tensors:
+                if t is not None:
+                    t.record_stream(current)  # its memory is not reused before the current stream has read it
+        position = self.streamed.index(idx)
+        following = position + 1 if forward else position - 1
+        ahead = self.streamed[following] if 0 <= following < len(self.streamed) else None
+        for layer in list(self.copies):
+            if layer not in (idx, ahead):
+                self._forget(layer)
+        if ahead is not None and ahead not in self.copies:
+            self._issue(ahead)
+        return copies.tensors
+
+    def _issue(self, idx: int) -> None:
+        """Start copying layer ``idx``'s host rows to the device (on CUDA on the copy stream, else at once)."""
+        stream = _copy_stream(self.device)
+        tensors: list[torch.Tensor | None] = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for j, value in enumerate(self.layers[idx]):
+                if not isinstance(value, HostRows):
+                    tensors.append(None)
+                    continue
+                rows = value.rows
+                copy = torch.empty_strided(rows.shape, rows.stride(), dtype=rows.dtype, device=self.device)
+                _copy_rows(copy, rows, non_blocking=stream is not None)
+                key = (id(self), idx)
+                resident.copied(key)
+                weakref.finalize(copy.untyped_storage(), resident.freed, key)
+                if copy.untyped_storage().nbytes():  # an empty copy has no address of its own
+                    self.storages[copy.untyped_storage().data_ptr()] = (idx, j)
+                tensors.append(copy)
+        self.copies[idx] = _Copies(tensors, stream.record_event() if stream is not None else None)
+
+    def _forget(self, idx: int) -> None:
+        """Drop this path's references to layer ``idx``'s copies (freed once nothing else uses them)."""
+        for t in self.copies.pop(idx).tensors:
+            if t is not None:
+                self.storages.pop(t.untyped_storage().data_ptr(), None)
+
+    # -- saved for backward ----------------------------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedRows:
+        """A saved tensor: a reference if it is a view of a copy of this path's (in its dtype), else itself, detached
+        (autograd saves a node's own output without its grad_fn; kept with it, the tensor and the node would hold
+        each other, a cycle through C++ that Python's collector never frees)."""
+        found = None
+        if tensor.device == self.device and tensor.layout == torch.strided and tensor.untyped_storage().nbytes():
+            found = self.storages.get(tensor.untyped_storage().data_ptr())
+        if found is None or self.copies[found[0]].tensors[found[1]].dtype != tensor.dtype:
+            return tensor.detach()
+        return _SavedRows(*found, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _unpack(self, saved: torch.Tensor | _SavedRows) -> torch.Tensor:
+        """A saved tensor for the backward: a reference's view of its layer's rows, copied to the device again if
+        they are not there (the layer below issued: backward order)."""
+        if isinstance(saved, torch.Tensor):
+            return saved
+        copy = self._take(saved.layer, forward=False)[saved.j]
+        return copy.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def saving_as_host_rows(past: Sequence | None) -> contextlib.AbstractContextManager:
+    """Inside: what autograd saves of ``past``'s device copies is packed as references to its host rows (module
+    docstring); nothing changes unless ``past`` is a ``StreamedPath``."""
+    if not isinstance(past, StreamedPath):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(past._pack, past._unpack)
+
