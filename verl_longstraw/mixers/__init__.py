@@ -6,11 +6,13 @@ from .attention import Attention, RowAttention, WindowAttention
 from .base import LayerCall, MixerOp, NoMixer, Saves, SegmentContext, apply_rope, layer_needs_output, per_sequence
 from .gated_delta import GatedDelta
 from .kda import Kda
+from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mla import LatentAttention
 from .short_conv import ShortConv
 
 __all__ = [
-    "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer", "RowAttention",
-    "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output", "per_sequence",
+    "Attention", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba1", "Mamba2", "MixerOp", "NoMixer",
+    "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_needs_output",
+    "per_sequence",
 ]
