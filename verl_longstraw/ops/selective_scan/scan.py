@@ -97,17 +97,19 @@ def selective_scan_saved_bytes(batch: int, tokens: int, channels: int, state_siz
     ``compute`` = at least float32. Pinned against ``memory.SavedTensorMeter`` by ``tests/mixers``.
 
     Per token of [channels, state_size] in ``compute``: the decays and the discretised B (read by the products
-    after them) and the state after the token (read by the next token's update and the output); with the output
-    the state in ``dtype`` (a copy below float32) that meets C, the output before the gate (``compute``) and the
-    gate's silu (``dtype``). Below float32 the float32 copies of B and x, per token. Per sequence, for ``batch`` >
-    1, the copy of the initial state each sequence starts from."""
+    after them) and the state after the token, read by the next token's update, but the last token's only with the
+    output and in ``compute`` (below float32 C meets its copy); with the output the state in ``dtype`` (a copy below
+    float32) that meets C, the output before the gate (``compute``) and the gate's silu (``dtype``). Below float32
+    the float32 copies of B and x, per token. Per sequence, for ``batch`` > 1, the copy of the initial state each
+    sequence starts from (``mixers.base.per_sequence``)."""
     compute = torch.promote_types(dtype, torch.float32)
     c, act = compute.itemsize, dtype.itemsize
     grid = channels * state_size
-    per_token = 3 * grid * c
+    per_token = 2 * grid * c
     if need_output:
         per_token += channels * (c + act) + (grid * act if act < c else 0)
     if act < 4:
         per_token += (channels + state_size) * 4
+    states = tokens if need_output and act == c else tokens - 1
     initial = grid * c if batch > 1 else 0
-    return batch * (tokens * per_token + initial)
+    return batch * (tokens * per_token + states * grid * c + initial)
