@@ -37,19 +37,20 @@ def selective_scan(
     (no output, ``D`` and ``z`` unused); ``D`` or ``z`` None: no skip term, no gate.
 
     The ops of transformers' ``mamba_selective_scan``: ``exp(A dt)`` and ``(dt B.float()) x.float()`` for every
-    token at once, then per token ``h = decay h + input`` and ``h.to(x.dtype) @ C``; the skip term ``y + x D``
-    and the gate ``y silu(z)`` after the loop."""
-    decay = torch.exp(A[None, None] * dt[..., None])  # [B, S, D, N]
-    inputs = dt[..., None] * B[:, :, None, :].float() * x[..., None].float()  # [B, S, D, N]
+    token at once, then per token ``h = decay h + input`` (one fused ``addcmul``: the loop's Python cost is its op
+    count) and ``h.to(x.dtype) @ C``; the skip term ``y + x D`` and the gate ``y silu(z)`` after the loop."""
+    decays = torch.exp(A[None, None] * dt[..., None]).unbind(1)  # per token [B, D, N]
+    inputs = (dt[..., None] * B[:, :, None, :].float() * x[..., None].float()).unbind(1)
     state = initial_state
-    outputs = []
-    for t in range(x.shape[1]):
-        state = decay[:, t] * state + inputs[:, t]
-        if C is not None:
-            outputs.append(torch.matmul(state.to(x.dtype), C[:, t, :, None])[..., 0])
     if C is None:
+        for decay, update in zip(decays, inputs, strict=True):
+            state = torch.addcmul(update, decay, state)
         return None, state
-    y = torch.stack(outputs, dim=1)
+    outputs = []
+    for decay, update, readout in zip(decays, inputs, C[..., None].unbind(1), strict=True):
+        state = torch.addcmul(update, decay, state)
+        outputs.append(torch.matmul(state.to(x.dtype), readout))  # [B, D, 1]
+    y = torch.cat(outputs, dim=-1).transpose(1, 2)  # [B, S, D]
     if D is not None:
         y = y + x * D
     if z is not None:
