@@ -49,7 +49,7 @@ END_SECONDS = 5.0  # the last report, after the last stage's overrun, still insi
 NO_KERNELS = {"attention": {}, "gated_delta_rule": []}  # a stage that recorded none
 # Equivalence and FSDP2 cases, newest first: the code each exercises landed in this order (git log of
 # verl_longstraw/tiny.py, adapters/ and ops/), so a run cut short has checked what no earlier run has.
-CASES_NEWEST_FIRST = ("lfm2", "bamba", "granitemoehybrid", "gpt_oss", "kimi_linear", "nemotron_h",
+CASES_NEWEST_FIRST = ("jamba", "lfm2", "bamba", "granitemoehybrid", "gpt_oss", "kimi_linear", "nemotron_h",
                       "glm_moe_dsa_shared_indexer", "deepseek_v32", "glm4_moe", "qwen3_moe", "qwen3_5_moe",
                       "glm_moe_dsa", "deepseek_v3", "qwen3_5", "qwen3_next", "qwen3")
 # cases besides one per model type: name -> (family, config fields set on top of the family's overrides).

@@ -97,11 +97,11 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2", "jamba"])
 def test_hybrid_state_is_fixed_size_for_linear_layers(family):
-    """Layer 0 (Gated DeltaNet, Mamba2 of nemotron_h and granitemoehybrid, Kimi Delta Attention) keeps conv +
-    recurrent state (lfm2's short conv: conv state alone) whose size is independent of the prompt's length, in
-    storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
+    """Layer 0 (Gated DeltaNet, Mamba2 of nemotron_h and granitemoehybrid, Kimi Delta Attention, jamba's Mamba1)
+    keeps conv + recurrent state (lfm2's short conv: conv state alone) whose size is independent of the prompt's
+    length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
     model = tiny_model(family)
     sizes = []
     for n in (10, 90):

@@ -52,6 +52,9 @@ def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
     ("bamba", "all-linear"),
     ("deepseek_v32", "all-linear"),  # its indexer's adapters get no gradient on either path (top-k is discrete)
     ("lfm2", "all-linear"),  # the short convs' in_proj and out_proj, not their depthwise nn.Conv1d
+    # every Linear but Mamba1's dt_proj, whose weight the model reads (refused below)
+    ("jamba", ["in_proj", "x_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj", "router"]),
 ])
 @pytest.mark.parametrize("chunk_size", [None, 32])
 def test_lora_gradients_match_standard(family, targets, chunk_size):
@@ -136,6 +139,15 @@ def test_lora_on_the_short_conv_is_refused():
     model = lora_model("lfm2", target_modules=["conv.conv"], r=64)
     prompt, responses = make_group(VOCAB, 20, (3,))
     with pytest.raises(UnsupportedModelError, match="LoRA on model.layers.0.conv.conv"):
+        group_backward(model, prompt, responses, weighted_loss)
+
+
+def test_lora_on_mamba1_dt_proj_is_refused():
+    """jamba's Mamba1 multiplies by its ``dt_proj`` weight rather than calling the module (the model's torch path
+    does, ``mixers.Mamba1`` too): LoRA there is refused by name, so ``all-linear`` is too."""
+    model = lora_model("jamba", target_modules=["dt_proj"])
+    prompt, responses = make_group(VOCAB, 20, (3,))
+    with pytest.raises(UnsupportedModelError, match="LoRA on model.layers.0.mamba.dt_proj"):
         group_backward(model, prompt, responses, weighted_loss)
 
 

@@ -97,6 +97,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         **COMMON, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
         num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_auto_adjust_ff_dim=False,
     )),
+    # Jamba's pattern, scaled: Mamba1 layers and an attention layer (no positional embedding) at 2 of every 4, MoE
+    # (4 experts, top 2) on the odd layers and a gated MLP on the rest (so Mamba layers have both; the last is Mamba)
+    "jamba": ("JambaConfig", dict(
+        **COMMON, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False,
+    )),
     # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
     "gpt_oss": ("GptOssConfig", dict(
         **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -135,9 +142,9 @@ FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # o
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
 # the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
 # Nemotron-H's, Granite 4.0's and Bamba's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full
-# attention with sinks, LFM2's short-conv + attention hybrid
+# attention with sinks, LFM2's short-conv + attention hybrid, Jamba's Mamba1 + attention + MoE hybrid
 VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "granitemoehybrid", "kimi_linear",
-            "gpt_oss", "bamba", "lfm2")
+            "gpt_oss", "bamba", "lfm2", "jamba")
 
 
 @functools.cache

@@ -14,5 +14,5 @@ def dist():
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear",
-                "lfm2")
+                "lfm2", "jamba")
     return {f: testing.save_tiny_model(f, str(root / f)) for f in families}

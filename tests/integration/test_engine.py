@@ -60,11 +60,11 @@ def test_update_actor_matches_fsdp2(engines, family, mode, kl_entropy):
     assert "longstraw/fragments" in metrics and "longstraw/prompt_state_bytes" in metrics
 
 
-@pytest.mark.parametrize("family", ("gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2"))
+@pytest.mark.parametrize("family", ("gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2", "jamba"))
 def test_window_and_recurrent_mixers_match_fsdp2(dist, model_dirs, family):
     """gpt_oss (sliding windows of 8 and sinks: prompts of 10-30 tokens outrun them), Nemotron-H's and Granite 4.0's
-    Mamba2 (Granite's muP multipliers included), Kimi Linear's KDA and LFM2's short convolutions through both
-    engines: log-probs and entropies, then one update_actor step with KL loss and entropy.
+    Mamba2 (Granite's muP multipliers included), Kimi Linear's KDA, LFM2's short convolutions and Jamba's Mamba1
+    through both engines: log-probs and entropies, then one update_actor step with KL loss and entropy.
     gpt_oss runs eager attention on both (transformers refuses sdpa for its sinks)."""
     attn = "eager" if family == "gpt_oss" else "sdpa"
     path = model_dirs[family]

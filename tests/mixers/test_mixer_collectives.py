@@ -22,6 +22,7 @@ CASES = {
     "LatentAttention": ("deepseek_v3", 0),
     "GatedDelta": ("qwen3_5", 0),
     "Kda": ("kimi_linear", 0),
+    "Mamba1": ("jamba", 0),
     "Mamba2": ("nemotron_h", 0),
     "ShortConv": ("lfm2", 0),
 }

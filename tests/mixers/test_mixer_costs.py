@@ -26,6 +26,7 @@ CASES = {
     "LatentAttention (DSA indexer)": ("glm_moe_dsa", 0),
     "GatedDelta": ("qwen3_5", 0),
     "Kda": ("kimi_linear", 0),
+    "Mamba1": ("jamba", 0),
     "Mamba2": ("nemotron_h", 0),
     "ShortConv": ("lfm2", 0),
 }

@@ -17,11 +17,12 @@ from .base import (
 from .causal_conv import CausalConv, ShortConv
 from .gated_delta import GatedDelta
 from .kda import Kda
+from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mla import LatentAttention
 
 __all__ = [
-    "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba2", "MixerOp", "NoMixer",
+    "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba1", "Mamba2", "MixerOp", "NoMixer",
     "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_calls",
     "layer_needs_output", "per_sequence",
 ]
