@@ -8,6 +8,7 @@ Mixers: ``mixers.Mamba1`` (the module's torch path: its dt, B and C RMSNorms inc
 
 from __future__ import annotations
 
+from ..feed_forward import FeedForward, Mlp, Moe
 from ..mixers import Attention, Mamba1, MixerOp
 from .base import Adapter, register
 
@@ -15,8 +16,6 @@ from .base import Adapter, register
 @register
 class JambaAdapter(Adapter):
     model_types = ("jamba",)
-    # the causal conv runs on its weight, and the model's own forward multiplies by dt_proj's weight (``Mamba1``)
-    weights_read = (*Adapter.weights_read, "conv1d", "dt_proj")
     layer_types = ("linear_attention", "full_attention")
     post_norm, mlp, final_norm = "pre_ff_layernorm", "feed_forward", "final_layernorm"
 
@@ -24,10 +23,11 @@ class JambaAdapter(Adapter):
         layer = self.layers[idx]
         return Mamba1(layer.mamba) if self.config.layers_block_type[idx] == "mamba" else Attention(layer.self_attn)
 
-    def mlp_width(self, idx: int) -> int:
-        """A MoE layer's (``layers_num_experts`` > 1) routed experts x top-k of ``intermediate_size`` each and its
-        router's logits; a gated MLP's ``intermediate_size``."""
+    def feed_forward(self, idx: int) -> FeedForward:
+        """A MoE block where ``layers_num_experts`` > 1 (one in every ``expert_layer_period`` at
+        ``expert_layer_offset``: routed experts of ``intermediate_size``, ``num_experts_per_tok`` of them per token,
+        no shared expert); else a gated MLP of ``intermediate_size``."""
         c = self.config
         if c.layers_num_experts[idx] > 1:
-            return c.num_experts_per_tok * c.intermediate_size + c.num_experts
-        return c.intermediate_size
+            return Moe(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.intermediate_size)
+        return Mlp(c.hidden_size, c.intermediate_size)

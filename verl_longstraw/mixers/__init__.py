@@ -22,7 +22,7 @@ from .mamba2 import Mamba2
 from .mla import LatentAttention
 
 __all__ = [
-    "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba1", "Mamba2", "MixerOp", "NoMixer",
-    "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_calls",
+    "Attention", "CausalConv", "GatedDelta", "Kda", "LatentAttention", "LayerCall", "Mamba1", "Mamba2", "MixerOp",
+    "NoMixer", "RowAttention", "Saves", "SegmentContext", "ShortConv", "WindowAttention", "apply_rope", "layer_calls",
     "layer_needs_output", "per_sequence",
 ]

@@ -1,7 +1,7 @@
 """Mamba1 (Jamba's Mamba layers): in_proj -> (x, gate z), a causal depthwise conv over x and its activation, x_proj
 -> (dt, B, C) each through its RMSNorm (Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``), dt_proj and
-softplus, the selective scan with the skip term D gated by silu(z) (``ops.selective_scan``; its CP form
-``sharded_selective_scan``: the state flows through the ranks by an affine merge), out_proj.
+softplus, the selective scan with the skip term D gated by silu(z) (``ops.mamba1.scan``; its CP form
+``ops.mamba1.cp``: the state flows through the ranks by an affine merge), out_proj.
 
 State: conv state [1, channels, kernel - 1] (the last inputs of the conv, model dtype) and SSM state
 [1, channels, state_size] (at least float32), both ``Fixed``.
@@ -13,18 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.selective_scan import selective_scan, selective_scan_saved_bytes, sharded_selective_scan
+from ..ops.mamba1.cp import sharded_selective_scan
+from ..ops.mamba1.scan import selective_scan, selective_scan_saved_bytes
 from ..state import Fixed, LayerState
-from .base import (
-    LayerCall,
-    MixerOp,
-    Saves,
-    SegmentContext,
-    affine_merge_bytes,
-    conv_input,
-    per_sequence,
-    saved_row_bytes,
-)
+from .base import LayerCall, MixerOp, Saves, SegmentContext, affine_merge_bytes, per_sequence, saved_row_bytes, summed
+from .causal_conv import CausalConv
 
 PROJECTION_SAVES = 8  # in_proj output (x, z), conv input, conv output and activation, dt before and after softplus,
 # out_proj input: per token per channel, model dtype
@@ -39,15 +32,18 @@ class Mamba1(MixerOp):
     kind = "mamba1"
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        self.module, self.conv = module, CausalConv(module)
         self.channels, self.state_size = module.intermediate_size, module.ssm_state_size
         self.kernel, self.dt_rank = module.conv_kernel_size, module.time_step_rank
 
     @property
+    def weights_read(self) -> tuple[str, ...]:
+        """The conv's, and ``dt_proj``: the model's forward multiplies by its weight without calling it."""
+        return (*self.conv.weights_read, "dt_proj")
+
+    @property
     def kinds(self) -> tuple[Fixed, Fixed]:
-        conv = Fixed(shape=(1, self.channels, self.kernel - 1))
-        ssm = Fixed(shape=(1, self.channels, self.state_size), min_dtype=torch.float32)
-        return conv, ssm
+        return self.conv.kind, Fixed(shape=(1, self.channels, self.state_size), min_dtype=torch.float32)
 
     def forward(self, x, ctx: SegmentContext, past: LayerState, need_output: bool):
         """Over segment ``x`` [B, S, hidden] continuing (conv_state, ssm_state) [1, ...] (copied per sequence for
@@ -57,10 +53,9 @@ class Mamba1(MixerOp):
         conv_state, ssm_state = past
         batch = x.shape[0]
         hidden, gate = m.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [B, channels, S] each
-        conv_in, new_conv_state = conv_input(ctx, hidden, per_sequence(conv_state.to(hidden.dtype), batch))
-        weight = m.conv1d.weight
+        conv_in, new_conv_state = self.conv.inputs(ctx, hidden, conv_state)
         # [B, S, channels], contiguous: x_proj would save a copy of the transposed view besides it for B > 1
-        hidden = m.act(F.conv1d(conv_in, weight, m.conv1d.bias, groups=weight.shape[0])).transpose(1, 2).contiguous()
+        hidden = m.act(self.conv(conv_in)).transpose(1, 2).contiguous()
         dt, B, C = m.x_proj(hidden).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = (m.dt_proj.weight @ m.dt_layernorm(dt).transpose(1, 2)).transpose(1, 2)  # [B, S, channels]
         args = (
@@ -110,9 +105,9 @@ class Mamba1(MixerOp):
 
     def collective_bytes(self, call: LayerCall, backward: bool) -> dict[str, int]:
         """The affine merge of a prompt chunk's summaries [E | a] (2 per channel and state element) and the conv
-        inputs before each rank's tokens (``mixers.base.affine_merge_bytes``)."""
-        return affine_merge_bytes(call, backward, 2 * self.channels * self.state_size, self.channels,
-                                  self.kernel - 1)
+        inputs before each rank's tokens (``mixers.base.affine_merge_bytes``, ``CausalConv.collective_bytes``)."""
+        return summed(affine_merge_bytes(call, backward, 2 * self.channels * self.state_size),
+                      self.conv.collective_bytes(call, backward))
 
     def flops(self, tokens: int, prefix: int) -> float:
         """7 FLOPs per state element per token: the discretisation dt A and dt B (2), the decay of h (1), the update

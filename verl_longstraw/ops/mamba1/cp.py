@@ -3,11 +3,11 @@ group.
 
 Rank r holds the ``sizes[r]`` consecutive tokens that follow those of ranks 0..r-1 (replicated metadata); the state
 before rank 0's first token and the final state are replicated; gradients follow ``parallel.comm``'s partial-sum
-semantics (``parallel.gated_delta``'s module docstring has the contract every rank keeps).
+semantics (``parallel.sequence``'s module docstring has the contract every rank keeps).
 
 The recurrence is affine in the state, elementwise: over rank j's tokens ``h_out = a_j * h_in + E_j`` per channel
 and state element (``a_j = exp(sum dt A)`` [B, D, N], ``E_j`` the end state from zero). Each state element is a
-1 x 1 state of ``parallel.gated_delta.AffineMerge``: the summary ``[E_j | a_j]`` [B, D, N, 1, 2] is all-gathered and
+1 x 1 state of ``parallel.sequence.AffineMerge``: the summary ``[E_j | a_j]`` [B, D, N, 1, 2] is all-gathered and
 composed into this rank's start state and the final state, and the rank runs its tokens from its start, so its
 outputs round as the single-process scan's.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ...parallel.comm import Group
-from ...parallel.gated_delta import AffineMerge, check_sizes
+from ...parallel.sequence import AffineMerge, check_sizes
 from .scan import scan_decay, selective_scan
 
 

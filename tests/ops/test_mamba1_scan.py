@@ -1,4 +1,4 @@
-"""Mamba1's selective scan (``ops.selective_scan``, the model's token loop) against the plain reference recurrence,
+"""Mamba1's selective scan (``ops.mamba1.scan``, the model's token loop) against the plain reference recurrence,
 and what it saves against ``memory.SavedTensorMeter``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_longstraw.memory import SavedTensorMeter
-from verl_longstraw.ops.selective_scan import selective_scan, selective_scan_reference, selective_scan_saved_bytes
+from verl_longstraw.ops.mamba1.scan import selective_scan, selective_scan_reference, selective_scan_saved_bytes
 from verl_longstraw.testing.compare import float64_throughout
 
 BATCH, TOKENS, D, N = 2, 9, 6, 4
