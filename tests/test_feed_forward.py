@@ -27,6 +27,7 @@ EXPECTED = {
     "glm_moe_dsa": ("dmm", {"d": (96, 0), "m": (100, 2)}), "kimi_linear": ("dmm", {"d": (96, 0), "m": (100, 2)}),
     "nemotron_h": ("-m--d", {"-": (0, 0), "m": (100, 2), "d": (96, 0)}),
     "granitemoehybrid": ("mmm", {"m": (228, 2)}), "gpt_oss": ("mmmm", {"m": (388, 2)}),
+    "jamba": ("dmdm", {"d": (96, 0), "m": (196, 2)}),  # the adapter's mlp_width override before the op
     "Qwen3.5-27B": ("d" * 64, {"d": (17408, 0)}),
     "GLM-5": ("ddd" + "m" * 75, {"d": (12288, 0), "m": (18688, 8)}),
     "GLM-5.2": ("ddd" + "m" * 75, {"d": (12288, 0), "m": (18688, 8)}),
