@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..ops.attention.blocked import compute_dtype
+from ..dtypes import compute_dtype
 
 Group = dist.ProcessGroup | None
 _TRACES: list[list[tuple[str, int, int, str]]] = []

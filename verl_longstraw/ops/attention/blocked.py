@@ -36,10 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype of the attention ops: float32 for half/bfloat16/float32 inputs, float64 for float64."""
-    return torch.promote_types(dtype, torch.float32)
+from ...dtypes import compute_dtype
 
 
 @dataclass(frozen=True)

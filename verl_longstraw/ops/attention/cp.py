@@ -44,6 +44,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ...dtypes import compute_dtype
 from ...parallel.comm import (
     Group,
     all_gather,
@@ -56,7 +57,6 @@ from ...parallel.comm import (
 from .blocked import (
     OwnKeyRule,
     autocast_off,
-    compute_dtype,
     partial_attention_blocked,
     planned_matmul_dtype,
 )

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
+from ...dtypes import compute_dtype
 from ...fake_cuda import is_fake
-from .blocked import OWN_SEGMENT, OwnKeyRule, autocast_off, compute_dtype
+from .blocked import OWN_SEGMENT, OwnKeyRule, autocast_off
 
 FUSED_PATHS = {"cpu": "fused_flash_cpu", "cuda": "fused_flash_cuda"}  # per device: the path name the dispatch counts
 

@@ -21,11 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ...dtypes import compute_dtype
 from .blocked import (
     OWN_SEGMENT,
     OwnKeyRule,
     check_key_mask,
-    compute_dtype,
     matmul_dtype,
     partial_attention_blocked,
     prefix_causal_attention_blocked,

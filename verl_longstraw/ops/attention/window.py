@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocked import compute_dtype
+from ...dtypes import compute_dtype
 from .fused import FUSED_PATHS, planned_fused_dtype, prefix_causal_attention_fused
 from .prefix import ATTENTION_PATHS, lse_weight, partial_attention, partial_attention_saved_bytes
 
