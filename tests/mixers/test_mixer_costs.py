@@ -118,3 +118,35 @@ def test_norm_saves_on_meta_match_the_meter_and_their_half_precision_copies(fami
     assert upcast_row_bytes(norm, width, torch.bfloat16) == max(half, 0)
     if family == "qwen3_5":  # its norm computes in float32 and scales by (1 + weight) in float32: copies it keeps
         assert half > 0
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))}
+
+
+def _op_class(op) -> type:
+    """The class of ``verl_longstraw.mixers`` an op is (an adapter's subclass naming its modules is its base's)."""
+    return next(cls for cls in type(op).__mro__ if cls.__module__.startswith("verl_longstraw.mixers"))
+
+
+def test_every_op_kind_of_every_family_has_a_case():
+    """A contract: every mixer op class a tiny family's adapter declares is measured here (``CASES``, keyed by the
+    class name; an adapter's subclass naming its modules counts as its base), each case's layer is of its class, and
+    every concrete op class of ``verl_longstraw.mixers`` is declared by some family (a new op joins ``CASES`` with a
+    family that uses it). ``NoMixer`` saves nothing."""
+    import inspect
+
+    from verl_longstraw import mixers
+    from verl_longstraw.adapters import adapter_on_meta
+    from verl_longstraw.tiny import TINY_CONFIGS, tiny_config, unavailable
+
+    used = {_op_class(op) for family in TINY_CONFIGS if unavailable(family) is None
+            for op in adapter_on_meta(tiny_config(family)).ops} - {mixers.NoMixer}
+    cased = {case.split(" (")[0] for case in CASES}
+    assert {cls.__name__ for cls in used} == cased
+    for case, (family, idx) in CASES.items():
+        if unavailable(family) is None:
+            assert _op_class(adapter_on_meta(tiny_config(family)).ops[idx]).__name__ == case.split(" (")[0], case
+    concrete = {cls for cls in _subclasses(mixers.MixerOp) if not inspect.isabstract(cls)
+                and cls.__module__.startswith("verl_longstraw.mixers")} - {mixers.NoMixer}
+    assert concrete <= used, sorted(cls.__name__ for cls in concrete - used)
