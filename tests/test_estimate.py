@@ -113,9 +113,9 @@ CP_BUDGET_PROMPT_LEN, CP_BUDGET_CHUNK = 257, 64
 def state_leaf_grad_meter() -> Iterator[list[int]]:
     """Bytes of the gradients one layer's backward hands its state leaves while a response replays (one entry per
     replay step and layer: one response per rank under CP), read where each leaf adds its gradient into the float32
-    sums (``PathState._add_grad``, called from the leaves' post-accumulate-grad hooks inside
+    sums (``PathState._hand_grad``, called from the leaves' post-accumulate-grad hooks inside
     ``execute._Walk._replay``; a recompute's are not counted)."""
-    replay, add_grad, sizes, replaying = execute._Walk._replay, PathState._add_grad, [], []
+    replay, hand_grad, sizes, replaying = execute._Walk._replay, PathState._hand_grad, [], []
 
     def metered_replay(self, step):
         replaying.append({})
@@ -124,17 +124,17 @@ def state_leaf_grad_meter() -> Iterator[list[int]]:
         finally:
             sizes.extend(replaying.pop().values())
 
-    def metered_add_grad(self, layer, j, parent, row_end, leaf):
+    def metered_hand_grad(self, layer, j, parent, row_end, grad):
         if replaying:
             per_layer = replaying[-1]
-            per_layer[layer] = per_layer.get(layer, 0) + leaf.grad.untyped_storage().nbytes()
-        return add_grad(self, layer, j, parent, row_end, leaf)
+            per_layer[layer] = per_layer.get(layer, 0) + grad.untyped_storage().nbytes()
+        return hand_grad(self, layer, j, parent, row_end, grad)
 
-    execute._Walk._replay, PathState._add_grad = metered_replay, metered_add_grad
+    execute._Walk._replay, PathState._hand_grad = metered_replay, metered_hand_grad
     try:
         yield sizes
     finally:
-        execute._Walk._replay, PathState._add_grad = replay, add_grad
+        execute._Walk._replay, PathState._hand_grad = replay, hand_grad
 
 
 def _cp_measure(rank: int, world: int, cases=CP_CASES, budget: bool = True) -> dict:
