@@ -436,7 +436,7 @@ class _BackwardPeak:
     def first_backward_grads(self, layer_saved: Sequence[int]) -> int:
         """The state-gradient bytes at the largest moment of the walk's first backward step: ``PathState`` makes
         each sum on its layer's first gradient, so while layer j's backward hands its state the gradient
-        (``PathState._add_grad``), the sums of layers j and above exist and the saves of the layers above have been
+        (``PathState._hand_grad``), the sums of layers j and above exist and the saves of the layers above have been
         freed (``layer_saved``: each layer's saves, less the state buffers among them); the largest over j."""
         if not self.any_grads:
             return 0
