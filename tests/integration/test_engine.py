@@ -190,9 +190,9 @@ def _counted(fn, calls: list):
     return wrapper
 
 
-def test_state_gradient_on_host_same_step_and_reported(engines):
-    """longstraw.state_grad_on_host: the same gradients, the state-gradient bytes reported on the host (with their
-    staging buffer) instead of the device; the estimate behind the pre-flight check is reported too."""
+def _steps_off_and_on(engines, knob: str) -> list:
+    """``train_step``'s results of qwen3_next's engine with the boolean ``knob`` off, then on: the same batch, at
+    learning rate 0 so both steps start from the same parameters (the engine's knobs and rate restored after)."""
     import dataclasses
 
     _, longstraw = engines("qwen3_next")
@@ -201,14 +201,21 @@ def test_state_gradient_on_host_same_step_and_reported(engines):
     knobs, lr = longstraw.longstraw, longstraw.optimizer.param_groups[0]["lr"]
     try:
         results = []
-        for on_host in (False, True):  # lr 0: both steps start from the same parameters
+        for on in (False, True):
             longstraw.optimizer.param_groups[0]["lr"] = 0.0
-            longstraw.longstraw = dataclasses.replace(knobs, state_grad_on_host=on_host)
+            longstraw.longstraw = dataclasses.replace(knobs, **{knob: on})
             results.append(train_step(longstraw, td.clone(), cfg, MBS))
     finally:
         longstraw.longstraw = knobs
         longstraw.optimizer.param_groups[0]["lr"] = lr
-    (on_device, _, device_metrics), (on_host, _, host_metrics) = results
+    return results
+
+
+def test_state_gradient_on_host_same_step_and_reported(engines):
+    """longstraw.state_grad_on_host: the same gradients, the state-gradient bytes reported on the host (with their
+    staging buffer) instead of the device; the estimate behind the pre-flight check is reported too."""
+    (on_device, _, device_metrics), (on_host, _, host_metrics) = _steps_off_and_on(engines, "state_grad_on_host")
+    _, longstraw = engines("qwen3_next")
     assert rel_diff(on_host, on_device) < 1e-6
 
     def held(metrics, where):
@@ -228,22 +235,7 @@ def test_state_gradient_on_host_same_step_and_reported(engines):
 def test_state_on_host_same_step_and_reported(engines):
     """longstraw.state_on_host: the same step (its checkpointed replays and recomputes bring each layer's rows from
     the host), the rows reported on the host."""
-    import dataclasses
-
-    _, longstraw = engines("qwen3_next")
-    td = make_batch(n_groups=1, group_size=MBS, seed=8)
-    cfg = actor_config("longstraw", "token-mean", False, 0.0, MBS)
-    knobs, lr = longstraw.longstraw, longstraw.optimizer.param_groups[0]["lr"]
-    try:
-        results = []
-        for on_host in (False, True):  # lr 0: both steps start from the same parameters
-            longstraw.optimizer.param_groups[0]["lr"] = 0.0
-            longstraw.longstraw = dataclasses.replace(knobs, state_on_host=on_host)
-            results.append(train_step(longstraw, td.clone(), cfg, MBS))
-    finally:
-        longstraw.longstraw = knobs
-        longstraw.optimizer.param_groups[0]["lr"] = lr
-    (resident, _, resident_metrics), (streamed, _, streamed_metrics) = results
+    (resident, _, resident_metrics), (streamed, _, streamed_metrics) = _steps_off_and_on(engines, "state_on_host")
     assert rel_diff(streamed, resident) < 1e-6
     assert max(resident_metrics["longstraw/prompt_state_host_bytes"].values) == 0
     assert max(streamed_metrics["longstraw/prompt_state_host_bytes"].values) > 0
