@@ -47,15 +47,6 @@ SHARES = {"ops": 0.1, "scale": 0.4, "equivalence": 0.33, "fsdp2": 0.17}  # of th
 OVERRUN_SECONDS = 30.0  # how long a stage's process may run past its deadline before it is killed as hung
 END_SECONDS = 5.0  # the last report, after the last stage's overrun, still inside the budget
 NO_KERNELS = {"attention": {}, "gated_delta_rule": []}  # a stage that recorded none
-# Equivalence and FSDP2 cases, newest first: the code each exercises landed in this order (git log of
-# verl_longstraw/tiny.py, adapters/ and ops/), so a run cut short has checked what no earlier run has.
-CASES_NEWEST_FIRST = ("jamba", "lfm2", "bamba", "granitemoehybrid", "gpt_oss", "kimi_linear", "nemotron_h",
-                      "glm_moe_dsa_shared_indexer", "deepseek_v32", "glm4_moe", "qwen3_moe", "qwen3_5_moe",
-                      "glm_moe_dsa", "deepseek_v3", "qwen3_5", "qwen3_next", "qwen3")
-# cases besides one per model type: name -> (family, config fields set on top of the family's overrides).
-# GLM-5.2's DSA layout (transformers' GlmMoeDsaConfig.indexer_types) on the 3-layer tiny model: the first layer runs
-# its indexer, the other two reuse its top-k selection ("shared": no indexer, no indexer keys in the prompt state)
-CONFIG_VARIANTS = {"glm_moe_dsa_shared_indexer": ("glm_moe_dsa", {"indexer_types": ["full", "shared", "shared"]})}
 EQUIVALENCE_DTYPES = ("bfloat16", "autocast_bfloat16", "float32")  # a case's rows in this order
 CALIBRATION_ROW = "qwen3 float32"  # the equivalence row whose seconds compare a CPU with the lent GPU
 # its seconds on the lent H200 until a device run's report (DEVICE_REPORT) has them: the GPU review's estimate of a
@@ -248,15 +239,17 @@ class Report:
 
 # -- the stages' processes ------------------------------------------------------------------------------------------
 
-def run_stage_process(stage: str, deadline: float, overrun: float, tiny: bool, families: tuple[str, ...],
+def run_stage_process(stage: str, deadline: float, overrun: float, tiny: bool, families: list[str] | None,
                       skip: list[str], folder: Path) -> tuple[dict | None, str | None]:
     """Run ``stage`` in a process of its own until ``deadline`` (monotonic seconds), killed (its process group,
-    SIGKILL) ``overrun`` seconds past it: (its part, or None when it wrote none; why it ended badly, or None)."""
+    SIGKILL) ``overrun`` seconds past it, on the cases ``families`` (None: every case): (its part, or None when it
+    wrote none; why it ended badly, or None)."""
     part = folder / f"{stage}.json"
     skip_file = folder / f"{stage}.skip.json"
     skip_file.write_text(json.dumps(skip))
     command = [sys.executable, str(STAGES_SCRIPT), "--stage", stage, "--part", str(part), "--until", repr(deadline),
-               "--skip-file", str(skip_file), "--families", *families, *(["--tiny"] if tiny else [])]
+               "--skip-file", str(skip_file), *(["--families", *families] if families else []),
+               *(["--tiny"] if tiny else [])]
     process = subprocess.Popen(command, start_new_session=True)
     problem = None
     try:
@@ -332,8 +325,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-seconds", type=float, default=360.0,
                         help="the whole run, the stages' imports included, ends within this")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES, help="run these (in the run's order)")
-    parser.add_argument("--families", nargs="+", choices=CASES_NEWEST_FIRST, default=CASES_NEWEST_FIRST,
-                        help="the equivalence / FSDP2 cases to run (newest first whatever the order given)")
+    parser.add_argument("--families", nargs="+", metavar="CASE",
+                        help="the equivalence / FSDP2 cases to run, newest first whatever the order given (default: "
+                             "every case of gpu_check_stages.CASES_NEWEST_FIRST, which the stage checks the names "
+                             "against)")
     parser.add_argument("--rerun-failed", type=Path, metavar="REPORT",
                         help="run only the rows REPORT lacks, never compared or failed; write the merged report")
     parser.add_argument("--overrun-seconds", type=float, default=OVERRUN_SECONDS,
@@ -357,7 +352,6 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
     old = json.loads(args.rerun_failed.read_text()) if args.rerun_failed else None
     old_stages = set(old["planned"]) if old else set()
     stages = [stage for stage in STAGES if stage in args.stages or stage in old_stages]
-    families = tuple(case for case in CASES_NEWEST_FIRST if case in args.families)
     result = {"device": None, "machine": None, "versions": None, "budget_seconds": args.budget_seconds,
               "rerun_of": str(args.rerun_failed) if old else None, "stage_order": stages, "stage_seconds": {},
               "kernels": {}, "stage_errors": {}, "not_run": {}, "planned": {}, "never_compared": {}, "failed": {},
@@ -383,7 +377,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> dict:
             stage_started = time.monotonic()
             skip = [r["key"] for r in _passed_rows(old, stage)]
             part, problem = run_stage_process(stage, min(end, stage_started + max(seconds, 0.0)),
-                                              args.overrun_seconds, args.tiny, families, skip, Path(folder))
+                                              args.overrun_seconds, args.tiny, args.families, skip, Path(folder))
             merge(result, stage, part, problem, old)
             result["stage_seconds"][stage] = time.monotonic() - stage_started
             report.write()

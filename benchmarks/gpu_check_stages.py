@@ -77,7 +77,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from gpu_check import CASES_NEWEST_FIRST, CONFIG_VARIANTS, EQUIVALENCE_DTYPES, STAGES, row_key  # stdlib only
+from gpu_check import EQUIVALENCE_DTYPES, STAGES, row_key  # stdlib only
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -109,7 +109,17 @@ from verl_longstraw.testing.compare import (
     replay_errors,
     weighted_loss,
 )
-from verl_longstraw.tiny import VOCAB, tiny_config, tiny_model, use_reference_kernels
+from verl_longstraw.tiny import DENSE_VARIANTS, TINY_CONFIGS, VOCAB, tiny_config, tiny_model, use_reference_kernels
+
+# cases besides one per model type: name -> (family, config fields set on top of the family's overrides).
+# GLM-5.2's DSA layout (transformers' GlmMoeDsaConfig.indexer_types) on the 3-layer tiny model: the first layer runs
+# its indexer, the other two reuse its top-k selection ("shared": no indexer, no indexer keys in the prompt state)
+CONFIG_VARIANTS = {"glm_moe_dsa_shared_indexer": ("glm_moe_dsa", {"indexer_types": ["full", "shared", "shared"]})}
+# Equivalence and FSDP2 cases, newest first: the tiny families in the registry's order reversed (adapters/__init__
+# imports them in the order they landed), each config variant before its family, the other dense model types
+# (DENSE_VARIANTS: qwen3's code path) left out; so a run cut short has checked what no earlier run has.
+CASES_NEWEST_FIRST = tuple(case for family in reversed(TINY_CONFIGS) if family not in DENSE_VARIANTS
+                           for case in (*(v for v, (f, _) in CONFIG_VARIANTS.items() if f == family), family))
 
 TINY_FAMILY = {"qwen3_like": "qwen3", "glm5_like": "glm_moe_dsa"}  # metered CPU standard GDN is slow
 TOLERANCE = 1e-4  # float32: max |log p| error and gradient relative L2

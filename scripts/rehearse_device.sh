@@ -214,8 +214,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
-from gpu_check import CASES_NEWEST_FIRST, EQUIVALENCE_DTYPES, STAGES  # noqa: E402
+sys.path[:0] = [".", "benchmarks"]
+from gpu_check import EQUIVALENCE_DTYPES, STAGES  # noqa: E402
+from gpu_check_stages import CASES_NEWEST_FIRST  # noqa: E402
 
 report_path, status = Path(sys.argv[1]), int(sys.argv[2])
 problems = [f"device_run.sh exited with status {status}"] if status else []

@@ -14,8 +14,11 @@ from verl_longstraw import (
     group_log_probs,
     tree_log_probs,
 )
+from verl_longstraw.adapters import adapter_for, adapter_on_meta
 from verl_longstraw.memory import parameter_meter
+from verl_longstraw.mixers import NoMixer
 from verl_longstraw.plan import star_plan
+from verl_longstraw.state.kinds import Fixed, Window
 from verl_longstraw.testing.compare import (
     full_log_probs,
     grads_of,
@@ -24,7 +27,7 @@ from verl_longstraw.testing.compare import (
     standard_grads,
     weighted_loss,
 )
-from verl_longstraw.tiny import DENSE_VARIANTS, VARIANTS, VOCAB, tiny_model
+from verl_longstraw.tiny import DENSE_VARIANTS, REPRESENTATIVES, VARIANTS, VOCAB, tiny_config, tiny_model, unavailable
 
 
 def _peak_saved_bytes(model, group_size: int, prompt_grad: str, chunk_size=None) -> int:
@@ -68,7 +71,7 @@ def test_qwen3_5_vision_language_checkpoint_on_text(family):
     exactly."""
     import transformers
 
-    from verl_longstraw.tiny import tiny_config, use_reference_kernels
+    from verl_longstraw.tiny import use_reference_kernels
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     config_class, model_class = {
@@ -97,23 +100,34 @@ def test_mla_state_is_latent_only(family):
     assert elements == latent + indexer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid", "kimi_linear", "lfm2", "jamba"])
-def test_hybrid_state_is_fixed_size_for_linear_layers(family):
-    """Layer 0 (Gated DeltaNet, Mamba2 of nemotron_h and granitemoehybrid, Kimi Delta Attention, jamba's Mamba1)
-    keeps conv + recurrent state (lfm2's short conv: conv state alone) whose size is independent of the prompt's
-    length, in storage of that size (no view of a longer buffer); nemotron_h's MLP and MoE blocks keep none."""
+def _recurrent_layers() -> list[tuple[str, int]]:
+    """(family, its first layer whose state is fixed-size and not a window) of each adapter that has one."""
+    cases = []
+    for family in REPRESENTATIVES:
+        if unavailable(family) is None:
+            ops = adapter_on_meta(tiny_config(family)).ops
+            cases += [(family, idx) for idx, op in enumerate(ops)
+                      if op.kinds and all(isinstance(k, Fixed) and not isinstance(k, Window) for k in op.kinds)][:1]
+    return cases
+
+
+@pytest.mark.parametrize("family, layer", _recurrent_layers())
+def test_hybrid_state_is_fixed_size_for_linear_layers(family, layer):
+    """A recurrent layer (Gated DeltaNet, Mamba1, Mamba2, Kimi Delta Attention, a short conv) keeps its state kinds'
+    tensors (conv + recurrent state; a short conv's conv state alone) whose size is independent of the prompt's
+    length, in storage of that size (no view of a longer buffer); layers without a mixer (nemotron_h's MLP and MoE
+    blocks) keep none."""
     model = tiny_model(family)
+    ops = adapter_for(model).ops
     sizes = []
     for n in (10, 90):
         store = capture_prompt(model, torch.randint(0, VOCAB, (n,)), for_backward=False).store
-        tensors = [t for kind, storage in zip(store.kinds[0], store.storage[0], strict=True)
+        tensors = [t for kind, storage in zip(store.kinds[layer], store.storage[layer], strict=True)
                    for t in kind.tensors(storage)]
         assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
         sizes.append([t.numel() for t in tensors])
-        if family == "nemotron_h":
-            blocks = model.config.layer_types
-            assert [len(store.kinds[i]) for i, block in enumerate(blocks) if block in ("mlp", "moe")] == [0, 0]
-    assert len(sizes[0]) == (1 if family == "lfm2" else 2)
+        assert all(len(store.kinds[idx]) == 0 for idx, op in enumerate(ops) if isinstance(op, NoMixer))
+    assert len(sizes[0]) == len(ops[layer].kinds)
     assert sizes[0] == sizes[1]
 
 
@@ -334,30 +348,13 @@ def test_shared_capture_mismatch_is_refused(qwen3):
         group_backward(qwen3, prompt, responses, _loss, state=state, knobs=Knobs(chunk_size=16))
 
 
-@pytest.mark.parametrize("page", ["docs/models.md", "README.md"])
-def test_architecture_tables_list_every_supported_model_type(page):
-    """The "Supported architectures" tables, docs/models.md's in full and the README's short one, name exactly
-    ``supported_model_types()`` in their ``model_type`` column."""
-    import re
-    from pathlib import Path
-
-    from verl_longstraw.adapters import supported_model_types
-
-    text = (Path(__file__).resolve().parents[1] / page).read_text()
-    after = re.split(r"^#+ Supported architectures$", text, maxsplit=1, flags=re.M)[1]
-    table = after.strip().split("\n\n", 1)[0].splitlines()
-    assert table[0].startswith("| family | `model_type` |"), table[0]
-    listed = {name for row in table[2:] for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
-    assert listed == set(supported_model_types())
-
-
 def test_every_family_builds_on_recent_transformers():
     """``tiny.unavailable`` skips a family only on a release older than ``EVERY_FAMILY_SINCE``, so a broken tiny
     config cannot pass as a skipped test on the releases CI and the GPU image run."""
     import transformers
     from packaging.version import Version
 
-    from verl_longstraw.tiny import EVERY_FAMILY_SINCE, FAMILIES, VARIANTS, unavailable
+    from verl_longstraw.tiny import EVERY_FAMILY_SINCE, FAMILIES
 
     missing = {family: unavailable(family) for family in (*FAMILIES, *DENSE_VARIANTS, *VARIANTS)
                if unavailable(family)}
@@ -368,15 +365,33 @@ def test_every_family_builds_on_recent_transformers():
 
 
 def test_every_adapter_has_a_tiny_family_the_tests_run():
-    """``tiny.TINY_CONFIGS`` is exactly the families the tests enumerate, and each registered adapter class serves
-    at least one of them, so a new family cannot land without the family-parametrized tests running it."""
-    from verl_longstraw.adapters.base import _REGISTRY
-    from verl_longstraw.tiny import FAMILIES, TINY_CONFIGS, VARIANTS
+    """Each registered adapter class declares its own tiny models (``Adapter.tiny``), each building a model type the
+    adapter serves; ``tiny.TINY_CONFIGS`` is all of them and exactly what the family-parametrized tests enumerate
+    (``FAMILIES``, ``DENSE_VARIANTS``, ``VARIANTS``), so a new family is tested without a list to edit."""
+    from verl_longstraw.adapters.base import registered_adapters
+    from verl_longstraw.tiny import FAMILIES, TINY_CONFIGS
 
-    enumerated = (*FAMILIES, *DENSE_VARIANTS, *VARIANTS)
-    assert sorted(enumerated) == sorted(TINY_CONFIGS)
-    served = {cls for model_type, cls in _REGISTRY.items() if model_type in TINY_CONFIGS}
-    assert served == set(_REGISTRY.values())
+    assert sorted((*FAMILIES, *DENSE_VARIANTS, *VARIANTS)) == sorted(TINY_CONFIGS)
+    for cls in registered_adapters():
+        for family in cls.tiny:
+            if unavailable(family) is None:
+                assert tiny_config(family).model_type in cls.model_types, (cls.__name__, family)
+    assert sum(len(cls.tiny) for cls in registered_adapters()) == len(TINY_CONFIGS)  # no family declared twice
+
+
+def test_an_adapter_without_tiny_models_or_a_table_row_is_refused():
+    """``register`` refuses a class that declares no tiny model or no docs row of its own (a base's do not count)."""
+    from verl_longstraw.adapters.base import register
+    from verl_longstraw.adapters.dense import DenseAttentionAdapter
+
+    class Undeclared(DenseAttentionAdapter):
+        model_types = ("not_a_model_type",)
+
+    with pytest.raises(TypeError, match="Undeclared declares no tiny and no doc"):
+        register(Undeclared)
+    Undeclared.tiny = DenseAttentionAdapter.tiny
+    with pytest.raises(TypeError, match="Undeclared declares no doc"):
+        register(Undeclared)
 
 
 def test_a_replay_frees_its_leaves_state_before_the_backward(monkeypatch):

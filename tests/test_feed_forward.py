@@ -35,8 +35,10 @@ EXPECTED = {
 }
 
 
-def test_every_family_and_named_model_is_pinned():
-    assert set(EXPECTED) == set(TINY_CONFIGS) | set(CONFIGS)
+def test_every_named_model_is_pinned():
+    """The pins are the figures of ``Adapter.mlp_width`` before the op replaced it: every named model and every family
+    of that time (a family added since is measured against the meter by tests/test_estimate.py, with no row here)."""
+    assert set(CONFIGS) <= set(EXPECTED) <= set(TINY_CONFIGS) | set(CONFIGS)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -52,10 +54,10 @@ def test_feed_forward_per_layer(name):
 
 
 def test_parallel_imports_nothing_above_it():
-    """``parallel/`` reads only the modules below it (ops, plan, errors, lora, feed_forward) and itself; the
+    """``parallel/`` reads only the modules below it (ops, plan, errors, lora, feed_forward, dtypes) and itself; the
     feed-forward module reads only ``errors``."""
     package = Path(__file__).resolve().parents[1] / "verl_longstraw"
-    below = {"ops", "plan", "errors", "lora", "feed_forward"}
+    below = {"ops", "plan", "errors", "lora", "feed_forward", "dtypes"}
     for path in [*(package / "parallel").glob("*.py"), package / "feed_forward.py"]:
         level = 2 if path.parent.name == "parallel" else 1
         for node in ast.walk(ast.parse(path.read_text())):

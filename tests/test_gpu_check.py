@@ -305,15 +305,15 @@ def test_a_stage_past_its_time_skips_its_rows(tmp_path):
         part = stages.run_stage("equivalence", tmp_path / "part.json", time.monotonic() + 0.5, tiny=True)
     assert time.monotonic() - start < 30
     assert {"skipped": "time limit"}.items() <= part.rows[-1].items()
-    assert len(part.rows) == len(part.planned) == 3 * len(gpu_check.CASES_NEWEST_FIRST)
+    assert len(part.rows) == len(part.planned) == 3 * len(stages.CASES_NEWEST_FIRST)
 
 
 def test_the_cases_are_every_model_type_newest_first():
-    assert sorted(gpu_check.CASES_NEWEST_FIRST) == sorted((*FAMILIES, *VARIANTS, *gpu_check.CONFIG_VARIANTS))
-    assert gpu_check.CASES_NEWEST_FIRST[-1] == "qwen3"  # the first family served
+    assert sorted(stages.CASES_NEWEST_FIRST) == sorted((*FAMILIES, *VARIANTS, *stages.CONFIG_VARIANTS))
+    assert stages.CASES_NEWEST_FIRST[-1] == "qwen3"  # the first family served
 
 
-@pytest.mark.parametrize("case", gpu_check.CASES_NEWEST_FIRST)
+@pytest.mark.parametrize("case", stages.CASES_NEWEST_FIRST)
 def test_half_precision_rows_route_every_expert(case):
     """The bfloat16, autocast and FSDP2 rows route every token to every expert of a MoE case (routing near-ties
     flip under half-precision rounding on either path); the float32 rows keep the model's routing."""

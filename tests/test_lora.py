@@ -12,6 +12,7 @@ from packaging.version import Version
 from peft import LoraConfig, get_peft_model
 
 from verl_longstraw import Knobs, UnsupportedModelError, group_backward, group_log_probs
+from verl_longstraw.adapters import adapter_on_meta
 from verl_longstraw.lora import linear_weights
 from verl_longstraw.testing.compare import (
     full_log_probs,
@@ -21,7 +22,7 @@ from verl_longstraw.testing.compare import (
     standard_grads,
     weighted_loss,
 )
-from verl_longstraw.tiny import VOCAB, tiny_model
+from verl_longstraw.tiny import REPRESENTATIVES, VARIANTS, VOCAB, tiny_config, tiny_model
 
 
 def lora_model(family: str, **config):
@@ -37,31 +38,35 @@ def max_log_prob_error(model, prompt, responses, **kwargs) -> float:
                    for v, r in zip(values, responses, strict=True))
 
 
-@pytest.mark.parametrize("family, targets", [
-    ("qwen3", "all-linear"),
-    ("qwen3_5", "all-linear"),
-    ("deepseek_v3", ["kv_b_proj", "q_b_proj", "o_proj"]),  # kv_b_proj: read as a weight by the absorbed attention
-    ("qwen3_moe", "all-linear"),
-    ("qwen3_5_moe", "all-linear"),
-    ("glm4_moe", "all-linear"),
-    ("gpt_oss", "all-linear"),
-    ("kimi_linear", "all-linear"),
+# families whose all-linear peft refuses or the absorbed attention reads: the modules given instead
+TARGETS = {
+    "deepseek_v3": ["kv_b_proj", "q_b_proj", "o_proj"],  # kv_b_proj: read as a weight by the absorbed attention
     # peft refuses out_proj and conv1d of Mamba mixers by name, so "all-linear" cannot build a nemotron_h model
-    ("nemotron_h", ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
-    ("granitemoehybrid", "all-linear"),
-    ("bamba", "all-linear"),
-    ("deepseek_v32", "all-linear"),  # its indexer's adapters get no gradient on either path (top-k is discrete)
-    ("lfm2", "all-linear"),  # the short convs' in_proj and out_proj, not their depthwise nn.Conv1d
-    # every Linear but Mamba1's dt_proj, whose weight the model reads (refused below)
-    ("jamba", ["in_proj", "x_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj", "router"]),
-])
+    "nemotron_h": ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+}
+
+
+def lora_targets(family: str) -> str | list[str]:
+    """``TARGETS[family]``, else every Linear but those the adapter refuses (the weights its ops read rather than
+    call: ``MixerOp.weights_read``, e.g. Mamba1's ``dt_proj``), else "all-linear"."""
+    if family in TARGETS:
+        return TARGETS[family]
+    adapter = adapter_on_meta(tiny_config(family))
+    read = {name for op in adapter.ops for name in op.weights_read}
+    linear = {name.rsplit(".", 1)[-1] for name, module in adapter.model.named_modules()
+              if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+    return sorted(linear - read) if linear & read else "all-linear"
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5", "deepseek_v3", *VARIANTS))
 @pytest.mark.parametrize("chunk_size", [None, 32])
-def test_lora_gradients_match_standard(family, targets, chunk_size):
+def test_lora_gradients_match_standard(family, chunk_size):
+    """LoRA (``lora_targets``) on one family per adapter path and every other variant: log-probs, the set of
+    parameters given a gradient and the gradients equal the standard path's."""
     if family == "glm4_moe" and Version(transformers.__version__) < Version("5.17.0"):
         pytest.skip("peft's all-linear wraps transformers 5.10's Glm4MoeTopkRouter, whose forward then reads "
                     "e_score_correction_bias off the wrapper: the model fails on either path")
-    model = lora_model(family, target_modules=targets)
+    model = lora_model(family, target_modules=lora_targets(family))
     prompt, responses = make_group(VOCAB, 100, (9, 4, 1))
     assert max_log_prob_error(model, prompt, responses, knobs=Knobs(chunk_size=chunk_size)) < 1e-5
     expected = standard_grads(model, prompt, responses, weighted_loss)
@@ -142,12 +147,24 @@ def test_lora_on_the_short_conv_is_refused():
         group_backward(model, prompt, responses, weighted_loss)
 
 
-def test_lora_on_mamba1_dt_proj_is_refused():
-    """jamba's Mamba1 multiplies by its ``dt_proj`` weight rather than calling the module (the model's torch path
-    does, ``mixers.Mamba1`` too): LoRA there is refused by name, so ``all-linear`` is too."""
-    model = lora_model("jamba", target_modules=["dt_proj"])
+def _linears_read_as_weights() -> list[tuple[str, str]]:
+    """(family, name) of each Linear an adapter's op reads as a weight (``MixerOp.weights_read``; jamba's Mamba1
+    multiplies by ``dt_proj``'s weight, as the model's torch path does), one family per adapter."""
+    cases = []
+    for family in REPRESENTATIVES:
+        adapter = adapter_on_meta(tiny_config(family))
+        read = {name for op in adapter.ops for name in op.weights_read}
+        cases += sorted({(family, name.rsplit(".", 1)[-1]) for name, module in adapter.model.named_modules()
+                         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in read})
+    return cases
+
+
+@pytest.mark.parametrize("family, name", _linears_read_as_weights())
+def test_lora_on_a_linear_read_as_a_weight_is_refused(family, name):
+    """LoRA on such a Linear is refused by name (so ``all-linear`` is too: ``lora_targets`` leaves it out)."""
+    model = lora_model(family, target_modules=[name])
     prompt, responses = make_group(VOCAB, 20, (3,))
-    with pytest.raises(UnsupportedModelError, match="LoRA on model.layers.0.mamba.dt_proj"):
+    with pytest.raises(UnsupportedModelError, match=rf"LoRA on model\.layers\.\d+\.\w+\.{name}"):
         group_backward(model, prompt, responses, weighted_loss)
 
 

@@ -44,13 +44,14 @@ import transformers
 from tqdm import tqdm  # a transformers dependency
 
 from verl_longstraw import GroupStats, Knobs, capture_prompt, group_backward
+from verl_longstraw.adapters.base import TINY_COMMON
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.knobs import REPLAY_TOKENS
 from verl_longstraw.memory import AllocationMeter
 from verl_longstraw.testing.compare import make_group, weighted_loss
 from verl_longstraw.testing.scripts import load_script
 from verl_longstraw.timing import Stopwatch
-from verl_longstraw.tiny import COMMON, tiny_model
+from verl_longstraw.tiny import tiny_model
 
 TINY_PREFIX = "tiny:"
 BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
@@ -63,7 +64,7 @@ def load_model(name: str, overrides: dict, dtype: torch.dtype, device: torch.dev
     """``tiny:<family>`` (``tiny.tiny_model``) or a Hugging Face model path, with config ``overrides``, in train mode
     on ``device``; tiny models get at least ``min_positions`` positions (tokens)."""
     if name.startswith(TINY_PREFIX):
-        positions = max(COMMON["max_position_embeddings"], min_positions)
+        positions = max(TINY_COMMON["max_position_embeddings"], min_positions)
         model = tiny_model(name.removeprefix(TINY_PREFIX), dtype, **{"max_position_embeddings": positions, **overrides})
     else:
         config = transformers.AutoConfig.from_pretrained(name, **overrides)

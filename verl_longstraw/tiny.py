@@ -1,115 +1,31 @@
 """Tiny random-init models of every supported family, built from transformers configs (no hub).
 
 Used by the tests, the benchmarks, the CPU examples and ``python -m verl_longstraw.profile --model tiny:<family>``;
-each family's config is one row of ``TINY_CONFIGS``.
+each family's model is declared by its adapter (``Adapter.tiny``) and collected in ``TINY_CONFIGS``.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+from typing import Callable
 
 import torch
 import transformers
 
 from .adapters import adapter_on_meta
+from .adapters.base import TINY_COMMON, TinyModel, registered_adapters
+from .mixers import MixerOp
 
-VOCAB = 128
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False
-)
-GQA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-# Gated DeltaNet : attention = 1 : 1 (Qwen3-Next, Qwen3.5)
-GATED_DELTA_HYBRID = dict(
-    num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-)
-# MLA attention, a dense first layer, then MoE (DeepSeek-V3 and its DSA successors)
-MLA_MOE = dict(
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, first_k_dense_replace=1, n_group=1,
-    topk_group=1, **MOE,
-)
-DSA_INDEXER = dict(index_topk=4096, index_n_heads=2, index_head_dim=16)
+VOCAB = TINY_COMMON["vocab_size"]
 
-# family -> (transformers config class name, its fields). Names, not classes: a release without the class (kimi_linear
-# and deepseek_v32 in 5.10) still imports this module, and ``unavailable`` reports the family.
-TINY_CONFIGS: dict[str, tuple[str, dict]] = {
-    "qwen3": ("Qwen3Config", dict(**COMMON, **GQA, head_dim=16)),
-    "llama": ("LlamaConfig", dict(**COMMON, **GQA)),
-    "qwen2": ("Qwen2Config", dict(**COMMON, **GQA)),
-    "mistral": ("MistralConfig", dict(**COMMON, **GQA, sliding_window=None)),  # Mistral-Nemo/Small-3 (full layers)
-    "qwen3_next": ("Qwen3NextConfig", dict(
-        **COMMON, **MOE, **GATED_DELTA_HYBRID, num_experts=4, shared_expert_intermediate_size=32, decoder_sparse_step=2,
-    )),
-    "qwen3_5": ("Qwen3_5TextConfig", dict(**COMMON, **GATED_DELTA_HYBRID)),
-    # every other layer sparse (decoder_sparse_step 2): a dense and a MoE layer
-    "qwen3_moe": ("Qwen3MoeConfig", dict(
-        **COMMON, **MOE, **GQA, head_dim=16, num_experts=4, decoder_sparse_step=2, norm_topk_prob=True,
-    )),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(
-        **{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **MOE, **GATED_DELTA_HYBRID, num_experts=4,
-        shared_expert_intermediate_size=32,
-    )),
-    # a dense first layer, then MoE with a shared expert; partial rotary, q/k norm, biases
-    "glm4_moe": ("Glm4MoeConfig", dict(
-        **COMMON, **MOE, **GQA, head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
-        use_qk_norm=True, attention_bias=True,
-    )),
-    "deepseek_v3": ("DeepseekV3Config", dict(**COMMON, **MLA_MOE)),
-    # DeepSeek-V3.2: a DSA indexer on every layer (split-half rope in it)
-    "deepseek_v32": ("DeepseekV32Config", dict(**COMMON, **MLA_MOE, **DSA_INDEXER)),
-    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(**COMMON, **MLA_MOE, **DSA_INDEXER)),
-    # KDA : MLA (NoPE) = 2 : 1, a dense first MLP then MoE with a shared expert
-    "kimi_linear": ("KimiLinearConfig", dict(
-        **COMMON, **MOE, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
-        kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2,
-        linear_head_dim=16, linear_conv_kernel_dim=4, num_local_experts=4, n_shared_experts=1, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
-    )),
-    # Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several
-    "nemotron_h": ("NemotronHConfig", dict(
-        **COMMON, **MOE, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
-        n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4,
-        moe_shared_expert_intermediate_size=32,
-    )),
-    # Granite 4.0: Mamba2 and RoPE attention layers, MoE + shared MLP, multipliers
-    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
-        **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
-        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1, num_local_experts=4,
-        num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
-        embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
-    )),
-    # Mamba2 : attention = 2 : 1, partial RoPE (Bamba)
-    "bamba": ("BambaConfig", dict(
-        **COMMON, num_hidden_layers=3, attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
-        mamba_expand=1,
-    )),
-    # LFM2: short-conv and attention (q/k norms) layers, conv biases; the MLP at intermediate_size (no 2/3 and
-    # multiple-of-256 adjustment)
-    "lfm2": ("Lfm2Config", dict(
-        **COMMON, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
-        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_auto_adjust_ff_dim=False,
-    )),
-    # Jamba's pattern, scaled: Mamba1 layers and an attention layer (no positional embedding) at 2 of every 4, MoE
-    # (4 experts, top 2) on the odd layers and a gated MLP on the rest (so Mamba layers have both; the last is Mamba)
-    "jamba": ("JambaConfig", dict(
-        **COMMON, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
-        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False,
-    )),
-    # sliding (window 8, so prompts span several windows) and full layers, sinks, MoE
-    "gpt_oss": ("GptOssConfig", dict(
-        **COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        num_local_experts=4, num_experts_per_tok=2,
-    )),
-}
+# family -> its tiny model, as each adapter declares them (``Adapter.tiny``), in the registry's order. Config class
+# names, not classes: a release without the class (kimi_linear and deepseek_v32 in 5.10) still imports this module,
+# and ``unavailable`` reports the family.
+TINY_CONFIGS: dict[str, TinyModel] = {family: model for cls in registered_adapters()
+                                      for family, model in cls.tiny.items()}
+# one family per adapter class, its first tiny model: what the per-adapter tests run
+REPRESENTATIVES: tuple[str, ...] = tuple(next(iter(cls.tiny)) for cls in registered_adapters())
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
@@ -134,17 +50,15 @@ def _base_config(family: str) -> transformers.PretrainedConfig:
     """``TINY_CONFIGS[family]`` built (AttributeError where the installed transformers lacks its class)."""
     if family not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_CONFIGS)}")
-    class_name, fields = TINY_CONFIGS[family]
-    return getattr(transformers, class_name)(**copy.deepcopy(fields))  # a copy: configs keep the layer_types lists
+    model = TINY_CONFIGS[family]
+    return getattr(transformers, model.config_class)(**copy.deepcopy(model.fields))  # configs keep the lists given
 
 
 FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "deepseek_v3", "glm_moe_dsa")  # one per adapter path
 DENSE_VARIANTS = ("llama", "qwen2", "mistral")  # the other dense GQA model types
-# the other model types of the adapter paths: the dense and hybrid adapters over MoE blocks, DeepSeek-V3.2's MLA + DSA,
-# Nemotron-H's, Granite 4.0's and Bamba's Mamba2 hybrids, Kimi Linear's KDA + MLA hybrid, gpt-oss's sliding and full
-# attention with sinks, LFM2's short-conv + attention hybrid, Jamba's Mamba1 + attention + MoE hybrid
-VARIANTS = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v32", "nemotron_h", "granitemoehybrid", "kimi_linear",
-            "gpt_oss", "bamba", "lfm2", "jamba")
+# every other tiny family (MoE variants of the dense and hybrid adapters, DeepSeek-V3.2, and one or more per hybrid
+# adapter), in the registry's order: a family an adapter declares joins the tests that run VARIANTS by itself
+VARIANTS = tuple(family for family in TINY_CONFIGS if family not in FAMILIES + DENSE_VARIANTS)
 
 
 @functools.cache
@@ -180,3 +94,24 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, *
             param.data = param.data.to(torch.float64)
     return model.train()
 
+
+
+def mixer_class(op: MixerOp) -> type[MixerOp]:
+    """The ``verl_longstraw.mixers`` class ``op`` is (an adapter's subclass naming its modules counts as its base)."""
+    return next(cls for cls in type(op).__mro__ if cls.__module__.startswith("verl_longstraw.mixers"))
+
+
+def first_layer_of_each_op(
+    keep: Callable[[MixerOp], bool] = lambda op: True,
+) -> dict[str, tuple[str, int]]:
+    """Mixer class name -> (family, layer index) of its first layer that ``keep`` accepts, over the tiny families the
+    installed transformers builds, ``FAMILIES`` first, then ``DENSE_VARIANTS`` and ``VARIANTS``: each op class a
+    family declares appears once, so the per-op tests take a new family's new op without a list to edit."""
+    cases: dict[str, tuple[str, int]] = {}
+    for family in (*FAMILIES, *DENSE_VARIANTS, *VARIANTS):
+        if unavailable(family) is not None:
+            continue
+        for idx, op in enumerate(adapter_on_meta(tiny_config(family)).ops):
+            if keep(op):
+                cases.setdefault(mixer_class(op).__name__, (family, idx))
+    return cases

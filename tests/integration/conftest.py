@@ -3,6 +3,7 @@
 import pytest
 
 from verl_longstraw.testing import verl_harness as testing
+from verl_longstraw.tiny import REPRESENTATIVES
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +14,4 @@ def dist():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    families = ("qwen3", "qwen3_next", "deepseek_v3", "gpt_oss", "nemotron_h", "granitemoehybrid", "kimi_linear",
-                "lfm2", "jamba")
-    return {f: testing.save_tiny_model(f, str(root / f)) for f in families}
+    return {f: testing.save_tiny_model(f, str(root / f)) for f in REPRESENTATIVES}  # one family per adapter

@@ -10,22 +10,14 @@ import torch
 import torch.distributed as dist
 
 from verl_longstraw.adapters import adapter_for
-from verl_longstraw.mixers import LayerCall
+from verl_longstraw.mixers import LayerCall, NoMixer
 from verl_longstraw.parallel import comm
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.plan import Split
-from verl_longstraw.tiny import tiny_model, unavailable
+from verl_longstraw.tiny import first_layer_of_each_op, tiny_model
 
-# (family, index of a layer whose op is of the kind): every op with a CP form
-CASES = {
-    "Attention": ("qwen3", 0),
-    "LatentAttention": ("deepseek_v3", 0),
-    "GatedDelta": ("qwen3_5", 0),
-    "Kda": ("kimi_linear", 0),
-    "Mamba1": ("jamba", 0),
-    "Mamba2": ("nemotron_h", 0),
-    "ShortConv": ("lfm2", 0),
-}
+# (family, index of a layer whose op is of the kind): the first layer of every op with a CP form
+CASES = first_layer_of_each_op(lambda op: op.context_parallel and not isinstance(op, NoMixer))
 SIZES = (7, 5)  # each rank's tokens
 
 
@@ -65,8 +57,7 @@ def _measure(rank: int, world: int, cases: dict) -> dict:
 
 
 def test_collective_bytes_match_the_traced_collectives():
-    cases = {case: spec for case, spec in CASES.items() if unavailable(spec[0]) is None}
-    for rank_results in run_ranks(_measure, 2, cases, timeout_s=600):
+    for rank_results in run_ranks(_measure, 2, CASES, timeout_s=600):
         for (case, consecutive), (forward, counted_forward, both, counted_both) in rank_results.items():
             assert forward == counted_forward, (case, consecutive, forward, counted_forward)
             assert both == counted_both, (case, consecutive, both, counted_both)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -63,6 +64,39 @@ def _call_replaced(module: nn.Module, fn: Callable, *args: Any) -> Any:
         return nn.Module.__call__(module, *args)  # module hooks fire; HF's checkpointing __call__ is bypassed
 
 
+# Fields every tiny model shares (``TinyModel``): hidden 64, vocab 128; and a small MoE's routing.
+TINY_COMMON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=4096, tie_word_embeddings=False
+)
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A 2-5 layer random-init model of one family for the tests, benchmarks and CPU examples (``tiny.tiny_model``):
+    a transformers config class, by name (a release without the class still imports the package; ``tiny.unavailable``
+    reports the family), and the fields it is built with; ``note`` says what the model exercises."""
+
+    config_class: str
+    fields: dict[str, Any]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ModelDoc:
+    """An adapter's row of the supported-architectures table (docs/models.md; README.md's short table groups the rows
+    of one ``summary``; ``scripts/docs_models.py`` writes both from the registry): what the family is, the prompt
+    state a layer keeps and its size, and what is refused (naming the field). ``notes``: model type -> a remark
+    printed beside it."""
+
+    summary: str
+    family: str
+    state: str
+    bytes_per_token: str
+    refused: str = "-"
+    notes: dict[str, str] = field(default_factory=dict)
+
+
 class Adapter(ABC):
     """Runs decoder layers over a segment given the prompt state of earlier tokens.
 
@@ -72,6 +106,10 @@ class Adapter(ABC):
     """
 
     model_types: tuple[str, ...] = ()
+    # declared by every registered adapter class itself (``register`` checks): family -> its tiny model, the first
+    # the adapter's representative (the per-adapter tests run it), and the table row
+    tiny: ClassVar[dict[str, TinyModel]] = {}
+    doc: ClassVar[ModelDoc]
     weights_read: tuple[str, ...] = ("lm_head",)  # modules whose weight is read, not called (``score``): no LoRA;
     # with the mixers' own (``MixerOp.weights_read``: a causal conv's), what ``lora.check_lora`` refuses
     layer_types: tuple[str, ...] | None = None  # the config.layer_types values ``op`` serves (None: not read)
@@ -211,9 +249,20 @@ _REGISTRY: dict[str, type[Adapter]] = {}
 
 
 def register(cls: type[Adapter]) -> type[Adapter]:
+    """Serve ``cls.model_types`` with ``cls``; the class itself (not a base) declares its ``tiny`` models and its
+    ``doc`` row, so every family the registry holds is built by the tests and listed in the docs."""
+    missing = [name for name in ("tiny", "doc") if name not in vars(cls) or not getattr(cls, name)]
+    if missing:
+        raise TypeError(f"adapter {cls.__name__} declares no {' and no '.join(missing)} of its own: a registered "
+                        "adapter names its tiny models (adapters.base.TinyModel) and its table row (ModelDoc)")
     for model_type in cls.model_types:
         _REGISTRY[model_type] = cls
     return cls
+
+
+def registered_adapters() -> tuple[type[Adapter], ...]:
+    """Every registered adapter class, once each, in the order they registered (``adapters/__init__``'s imports)."""
+    return tuple(dict.fromkeys(_REGISTRY.values()))
 
 
 def supported_model_types() -> list[str]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..mixers import Attention, WindowAttention
-from .base import Adapter, register
+from .base import TINY_COMMON, TINY_MOE, Adapter, ModelDoc, TinyModel, register
+
+_GQA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def layer_window(config, idx: int) -> int | None:
@@ -31,6 +33,27 @@ def attention_op(attn: nn.Module, window: int | None = None) -> Attention:
 @register
 class DenseAttentionAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+    tiny = {
+        "qwen3": TinyModel("Qwen3Config", dict(**TINY_COMMON, **_GQA, head_dim=16)),
+        "llama": TinyModel("LlamaConfig", dict(**TINY_COMMON, **_GQA)),
+        "qwen2": TinyModel("Qwen2Config", dict(**TINY_COMMON, **_GQA)),
+        "mistral": TinyModel("MistralConfig", dict(**TINY_COMMON, **_GQA, sliding_window=None),
+                             "Mistral-Nemo/Small-3 (full layers)"),
+        "qwen3_moe": TinyModel("Qwen3MoeConfig", dict(
+            **TINY_COMMON, **TINY_MOE, **_GQA, head_dim=16, num_experts=4, decoder_sparse_step=2, norm_topk_prob=True,
+        ), "every other layer sparse (decoder_sparse_step 2): a dense and a MoE layer"),
+        "glm4_moe": TinyModel("Glm4MoeConfig", dict(
+            **TINY_COMMON, **TINY_MOE, **_GQA, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+        ), "a dense first layer, then MoE with a shared expert; partial rotary, q/k norm, biases"),
+    }
+    doc = ModelDoc(
+        summary="dense GQA attention (dense MLP, or the model's MoE blocks)",
+        family="dense GQA attention (dense MLP, or the model's MoE blocks)",
+        state="K (after norm + RoPE), V",
+        bytes_per_token="2 x kv_heads x head_dim x 2",
+        refused="sliding-window layers under CP (`context_parallel_size` > 1)",
+    )
     layer_types = ("full_attention", "sliding_attention")
 
     def op(self, idx: int) -> Attention:

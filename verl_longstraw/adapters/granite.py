@@ -15,7 +15,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..feed_forward import ExpertPlan, FeedForward, Mlp, Moe, register_expert_plan
 from ..mixers import Attention, Mamba2, MixerOp
-from .base import Adapter, register
+from .base import TINY_COMMON, Adapter, ModelDoc, TinyModel, register
 
 _MAMBA = "linear_attention"
 
@@ -23,6 +23,21 @@ _MAMBA = "linear_attention"
 @register
 class GraniteMoeHybridAdapter(Adapter):
     model_types = ("granitemoehybrid",)
+    tiny = {"granitemoehybrid": TinyModel("GraniteMoeHybridConfig", dict(
+        **TINY_COMMON, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=32, position_embedding_type="rope",
+        embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+    ), "Granite 4.0: Mamba2 and RoPE attention layers, MoE + shared MLP, multipliers")}
+    doc = ModelDoc(
+        summary="hybrid Mamba2 + attention",
+        family="hybrid Mamba2 + attention, MoE + shared MLP after each, muP multipliers (Granite 4.0)",
+        state="Mamba2 layers: conv state + fp32 SSM state (fixed size); attention layers (RoPE or none): K, V",
+        bytes_per_token="0 for Mamba2 layers",
+        refused="LoRA on `conv1d`; an LM head with a bias (`lm_head.bias`); tested from transformers 5.17 (5.10.4's "
+                "model is refused)",
+    )
     layer_types = (_MAMBA, "full_attention")
 
     def check_supported(self) -> None:

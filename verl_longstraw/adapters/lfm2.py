@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..feed_forward import Mlp
 from ..mixers import Attention, MixerOp, ShortConv
-from .base import Adapter, register
+from .base import TINY_COMMON, Adapter, ModelDoc, TinyModel, register
 
 
 class Lfm2Attention(Attention):
@@ -24,6 +24,19 @@ class Lfm2Attention(Attention):
 @register
 class Lfm2Adapter(Adapter):
     model_types = ("lfm2",)
+    tiny = {"lfm2": TinyModel("Lfm2Config", dict(
+        **TINY_COMMON, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_auto_adjust_ff_dim=False,
+    ), "short-conv and attention (q/k norms) layers, conv biases; the MLP at intermediate_size (no 2/3 and "
+       "multiple-of-256 adjustment)")}
+    doc = ModelDoc(
+        summary="hybrid gated short convolution + attention",
+        family="hybrid gated short convolution + attention (q/k norms), SwiGLU MLP after each (LiquidAI LFM2)",
+        state="conv layers: conv state, the last `conv_L_cache` - 1 conv inputs B x x (fixed size); attention "
+              "layers: K, V",
+        bytes_per_token="0 for conv layers",
+        refused="LoRA on the short conv's depthwise `conv` (its `in_proj` / `out_proj` are fine)",
+    )
     layer_types = ("conv", "full_attention")
     input_norm, post_norm, mlp, final_norm = "operator_norm", "ffn_norm", "feed_forward", "embedding_norm"
 

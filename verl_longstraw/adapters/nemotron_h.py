@@ -12,7 +12,7 @@ from torch import nn
 
 from ..feed_forward import ExpertPlan, FeedForward, Mlp, Moe, NoFeedForward, register_expert_plan
 from ..mixers import Attention, Mamba2, MixerOp, NoMixer
-from .base import Adapter, register
+from .base import TINY_COMMON, TINY_MOE, Adapter, ModelDoc, TinyModel, register
 
 _MLP_BLOCKS = ("mlp", "moe")
 
@@ -20,6 +20,22 @@ _MLP_BLOCKS = ("mlp", "moe")
 @register
 class NemotronHAdapter(Adapter):
     model_types = ("nemotron_h",)
+    tiny = {"nemotron_h": TinyModel("NemotronHConfig", dict(
+        **TINY_COMMON, **TINY_MOE,
+        layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+        moe_shared_expert_intermediate_size=32,
+    ), "Mamba2, attention, MoE and MLP blocks; scan chunks of 16 so prompts span several")}
+    doc = ModelDoc(
+        summary="hybrid Mamba2 + attention",
+        family="hybrid Mamba2 + attention + MLP/MoE blocks",
+        state="Mamba2 layers: conv state + fp32 SSM state (fixed size); attention layers (no RoPE): K, V; MLP/MoE "
+              "blocks: none",
+        bytes_per_token="0 for Mamba2 and MLP/MoE layers",
+        refused="LoRA on `conv1d` (and peft refuses `all-linear`: give `target_modules`); tested from transformers "
+                "5.17 (5.10.4's `nemotron_h` is refused)",
+    )
     layer_types = ("linear_attention", "full_attention", *_MLP_BLOCKS)
     final_norm = "norm_f"
 
