@@ -126,7 +126,7 @@ def main() -> None:
              f"--out {args.out} --name {args.name}`; tiny qwen3_5 "
              f"{MODEL}, float32, {args.threads} thread(s). Rates fitted on {', '.join(s.name for s in CALIBRATION)}:",
              "", "| class | fitted rate |", "|---|---:|"]
-    units = {"collective": "B/s", "host_copy": "B/s", "layer_calls": "calls/s"}
+    units = {"collective": "B/s", "host_copy": "B/s", "state_stream": "B/s", "layer_calls": "calls/s"}
     lines += [f"| {name} | {rates[name]:.4g} {units.get(name, 'FLOP/s')} |" for name in WORK
               if rates[name] != float("inf")]
     lines += ["", "| setting | " + " | ".join(f"{p} s measured / model" for p in PHASES) +

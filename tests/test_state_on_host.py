@@ -12,7 +12,7 @@ from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_prob
 from verl_longstraw.adapters import adapter_for
 from verl_longstraw.estimate import estimate_memory
 from verl_longstraw.parallel.launch import run_ranks
-from verl_longstraw.preflight import check_host_budget
+from verl_longstraw.preflight import check_budget, check_host_budget
 from verl_longstraw.state import stream
 from verl_longstraw.testing.compare import (
     float64_throughout,
@@ -83,6 +83,34 @@ def test_at_most_two_layers_resident():
     streamed = _backward(model, prompt, responses, state_on_host=True)
     _assert_bitwise(resident, streamed)
     assert stream.resident.peak == 2 and not stream.resident.live
+
+
+DSA_SELECTING = dict(index_topk=24, index_n_heads=16)  # top-k below the prompt: the selection runs
+
+
+@pytest.mark.parametrize("family, overrides, checkpointed", [
+    ("deepseek_v32", {}, False),
+    # two indexer layers, each followed by a layer reusing its selection: under checkpointing the backward
+    # recomputes a shared layer after the later indexer layer, so its selection is made again (its prefix keys
+    # read from the path again)
+    ("glm_moe_dsa", dict(num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"],
+                         mlp_layer_types=["dense"] * 4), True),
+])
+def test_dsa_indexer_keys_stream(family, overrides, checkpointed):
+    """DSA with its selection running: the indexer keys stream as the other rows (the selection keeps no copy of
+    them), so at most two layers' rows are on the device (three under checkpointing); bitwise equal to the resident
+    walk."""
+    model = tiny_model(family, **DSA_SELECTING, **overrides)
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompt, responses = make_group(VOCAB, 60, (9, 4))
+    resident = _backward(model, prompt, responses)
+    stream.resident.reset_peak()
+    streamed = _backward(model, prompt, responses, state_on_host=True)
+    _assert_bitwise(resident, streamed)
+    # checkpointed: a layer's recompute in the backward reads its rows in forward order, so the layer above's copy
+    # is issued beside it and the one below's (without DSA too): one layer more than the window
+    assert 1 <= stream.resident.peak <= (3 if checkpointed else 2) and not stream.resident.live
 
 
 def test_captured_state_serves_log_probs_and_backward():
@@ -171,19 +199,24 @@ def test_cp_streams_each_ranks_shard():
                 assert losses_equal and values_equal and on_host, (world, family, mode)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_estimate_counts_the_resident_window_and_the_host_rows(family):
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3", {}), ("qwen3_5", {}), ("glm_moe_dsa", DSA_SELECTING), ("deepseek_v32", DSA_SELECTING),
+])
+def test_estimate_counts_the_resident_window_and_the_host_rows(family, overrides):
     """With the knob the estimate's host figure is the measured host rows, its device state the two largest layers'
-    rows plus the fixed-size states; the device total shrinks by the rest."""
-    model = tiny_model(family)
+    rows (DSA's indexer keys among them) plus the fixed-size states; the device total shrinks by the rest, and the
+    walk held no more layers' rows than the window counts."""
+    model = tiny_model(family, **overrides)
     prompt_len = 97
     prompt, responses = make_group(VOCAB, prompt_len, (9,))
     resident = estimate_memory(model.config, prompt_len, 1, 9, 40, "exact", torch.float32, device_type="cpu")
     streamed = estimate_memory(model.config, prompt_len, 1, 9, 40, "exact", torch.float32, device_type="cpu",
                                state_on_host=True)
     model.zero_grad(set_to_none=True)
+    stream.resident.reset_peak()
     stats = group_backward(model, prompt, responses, weighted_loss,
                            knobs=Knobs(chunk_size=40, state_on_host=True)).stats
+    assert stream.resident.peak <= 2
     assert streamed.host_state_bytes == stats.prompt_state_host_bytes > 0
     assert streamed.host_bytes == streamed.host_state_bytes and resident.host_bytes == 0
     layers = [sum(s.nbytes(prompt_len - 1, torch.float32) for s in layer if s.streams)
@@ -200,6 +233,23 @@ def test_host_budget_names_the_knob():
     check_host_budget(estimate, estimate.host_bytes * 2, ranks_per_host=2)
     with pytest.raises(MemoryError, match="state_on_host keeps"):
         check_host_budget(estimate, estimate.host_bytes * 2 - 1, ranks_per_host=2)
+
+
+def test_device_budget_names_the_knob_where_it_fits():
+    """The pre-flight's device check: a budget the resident walk exceeds and the streamed one meets names
+    ``state_on_host=True`` with what it saves and the host figure; with the knob on it is not named again."""
+    config = tiny_model("qwen3", num_hidden_layers=6, layer_types=6 * ["full_attention"]).config  # rows to move
+    resident, streamed = (estimate_memory(config, 97, 1, 9, 40, "exact", torch.float32, device_type="cpu",
+                                          state_on_host=on) for on in (False, True))
+    assert resident.streamed_total_bytes == streamed.total_bytes == streamed.streamed_total_bytes < resident.total_bytes
+    assert resident.streamed_host_state_bytes == streamed.host_state_bytes > 0 == resident.host_state_bytes
+    with pytest.raises(MemoryError, match=r"actor_rollout_ref\.actor\.longstraw\.state_on_host=True \(-.* GiB, fits: "
+                                          r"the prompt state's rows, .* GiB a rank, in host memory"):
+        check_budget(resident, streamed.total_bytes)
+    check_budget(streamed, streamed.total_bytes)
+    with pytest.raises(MemoryError) as raised:
+        check_budget(streamed, streamed.total_bytes - 1)
+    assert "state_on_host" not in str(raised.value)
 
 
 def test_knob_must_be_a_bool():

@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from verl_longstraw import GroupStats, Knobs, tree_backward
+from verl_longstraw.adapters import adapter_for
 from verl_longstraw.plan import star_plan, tree_plan
 from verl_longstraw.testing.compare import make_group, weighted_loss
-from verl_longstraw.timemodel import ASSUMED, DEVICES, FLOP_WORK, PHASES, WORK, calibrate, main, phase_work, seconds
+from verl_longstraw.timemodel import (
+    ASSUMED,
+    DEVICES,
+    FLOP_WORK,
+    PHASES,
+    WORK,
+    calibrate,
+    main,
+    phase_work,
+    seconds,
+    stream_overlap,
+)
 from verl_longstraw.tiny import tiny_model
 
 
@@ -61,6 +73,26 @@ def test_collectives_and_host_copies_appear_where_they_run():
     forward = cp["capture"]["matmul"]  # the recompute runs the captured chunks' forward again, then its backward
     assert (cp["recompute"]["matmul"], lora["recompute"]["matmul"]) == pytest.approx((3 * forward, 2 * forward))
     assert fsdp["recompute"]["collective"] - lora["recompute"]["collective"] == pytest.approx(500 * model_calls)
+
+
+def test_streamed_state_copies_and_their_overlap():
+    """With ``state_on_host`` a step copies the prefix rows it reads to the device: a detached one-chunk star's
+    replays each read the prompt's rows, forward and backward; its capture reads none. The copies hide behind the
+    phase's other seconds up to those seconds."""
+    model = tiny_model("qwen3", torch.float32)
+    prompt_len, group = 33, 3
+    plan = star_plan(prompt_len, [8] * group, Knobs(replay_tokens=8), 1, 0)
+    off = phase_work(model.config, plan, "detached", torch.float32)
+    on = phase_work(model.config, plan, "detached", torch.float32, state_on_host=True)
+    rows = sum(s.nbytes(prompt_len - 1, torch.float32) for layer in adapter_for(model).specs() for s in layer)
+    assert on["replay"]["state_stream"] == group * 2 * rows and on["capture"]["state_stream"] == 0
+    assert all(off[p]["state_stream"] == 0 for p in PHASES)
+    assert all(on[p][name] == off[p][name] for p in PHASES for name in WORK if name != "state_stream")
+    copied, other = on["replay"]["state_stream"], seconds(off["replay"], dict.fromkeys(WORK, 1.0))
+    for rate, hidden in ((1e30, None), (copied / (other / 2), None), (copied / (2 * other), other)):
+        copy, hid = stream_overlap(on["replay"], dict.fromkeys(WORK, 1.0) | {"state_stream": rate})
+        assert copy == pytest.approx(on["replay"]["state_stream"] / rate)
+        assert hid == pytest.approx(copy if hidden is None else hidden)  # all hidden, or the compute's seconds
 
 
 def test_calibrate_recovers_the_rates_of_consistent_phases():

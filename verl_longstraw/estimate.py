@@ -138,6 +138,9 @@ class MemoryEstimate:
     state_on_host: bool = False  # the ``Rows`` state in host memory, streamed a layer at a time (``state.stream``)
     host_state_bytes: int = 0  # with ``state_on_host``: the ``Rows`` state kept in host memory (``state_bytes`` then
     # counts its resident window on the device)
+    streamed_total_bytes: int = 0  # ``total_bytes`` of the same walk with ``state_on_host`` (its own with the knob)
+    streamed_host_state_bytes: int = 0  # ``host_state_bytes`` of the same walk with ``state_on_host`` (its own with
+    # the knob): what the knob keeps, or would keep, in host memory
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -479,9 +482,11 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
     # the held segments' state besides one segment's (a Rows buffer is one whatever the segments)
     boundaries = state - sum(s.path_nbytes(rows, 1, dtype) for s in kinds) if states_held else 0
+    # the same state with ``state_on_host``: its resident window and the rows in host memory
+    streamed_state, streamed_host_state = _streamed_state(specs, rows, states_held, dtype) if states_held else (0, 0)
     host_state = 0
-    if state_on_host and states_held:
-        state, host_state = _streamed_state(specs, rows, states_held, dtype)
+    if state_on_host:
+        state, host_state = streamed_state, streamed_host_state
     state_grad = leaf_grad = staging = 0
     if mode == "exact" and grads_held:
         grad_dtype = torch.promote_types(dtype, torch.float32)
@@ -505,7 +510,7 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
     # per backward step type: the largest saved bytes (of which pass-Q) and backward transient of its steps
     saved_most = {Replay: (0, 0), Recompute: (0, 0)}
     transient_most = {Replay: 0, Recompute: 0}
-    score_block = capture_peak = call_tokens = 0
+    score_block = capture_peak = streamed_capture_peak = call_tokens = 0
     batch_most, written = 1, False
     for step in plan.steps(mode):
         if step.call is None:
@@ -533,14 +538,15 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         else:  # a capture, no grad: the state stored before it, any sums, the forward's transient (the feed-forward
             # half's or a mixer's beside the state rows returned so far)
             own_rows = [sum(s.nbytes(tokens, dtype) for s in layer) for layer in specs]
-            held = (state if written else 0) + (sum(layer_sums) if peak.seen else 0)
+            sums = sum(layer_sums) if peak.seen else 0
             transient = max(layers.capture_transient(tokens, not scores, own_rows),
                             layers.capture_mixer_transient(calls, own_rows))
-            capture_peak = max(capture_peak, held + transient)
+            capture_peak = max(capture_peak, (state if written else 0) + sums + transient)
+            streamed_capture_peak = max(streamed_capture_peak, (streamed_state if written else 0) + sums + transient)
             written = True
     (replay, replay_pass_q), (backward, backward_pass_q) = saved_most[Replay], saved_most[Recompute]
     captured = [plan.segments[i].length for i in plan.captured]
-    return MemoryEstimate(
+    estimate = MemoryEstimate(
         state_bytes=state,
         boundary_bytes=boundaries,
         state_grad_bytes=state_grad,
@@ -565,4 +571,9 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         capture_peak_bytes=capture_peak,
         state_on_host=state_on_host,
         host_state_bytes=host_state,
+        streamed_host_state_bytes=streamed_host_state,
     )
+    # the state is the same at every backward step, so the streamed walk's backward peak is this one's with its
+    # state in place of this one's
+    streamed_backward = estimate.backward_bytes - estimate.state_bytes + streamed_state
+    return dataclasses.replace(estimate, streamed_total_bytes=max(streamed_backward, streamed_capture_peak))

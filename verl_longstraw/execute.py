@@ -133,6 +133,7 @@ def run_segment(
         h = adapter.embed(ids)
         ctx = adapter.context(h, start, split, group)
         layer_past = past or [tuple(kind.empty(h) for kind in kinds) for kinds in adapter.specs()]
+        ctx.past = layer_past
         states = []
         for idx, layer in enumerate(adapter.layers):
             need_output = layer_needs_output(idx, adapter.num_layers, scoring is not None)

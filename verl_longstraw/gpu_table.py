@@ -35,7 +35,7 @@ class GpuTable:
     start of a step: the group terms, the unsharded units and, under expert parallelism, the expert shards' gradients
     (the resident shards are already outside the free memory); ``optimizer_step`` the device bytes at AdamW's step
     (after the walks: ``gpu_table``); ``gpu_bytes`` and ``gpus_per_node``: the GPUs' memory and the ranks per node
-    the figures are for."""
+    the figures are for; ``state_host``: of ``host``, the prompt state's rows (``state_on_host``)."""
 
     rows: tuple[tuple[str, int, int], ...]
     peak: int
@@ -44,6 +44,7 @@ class GpuTable:
     gpu_bytes: int
     gpus_per_node: int
     optimizer_step: int = 0
+    state_host: int = 0  # of ``host``: the prompt state's rows that ``state_on_host`` keeps there
 
 
 def gpu_table(
@@ -80,7 +81,7 @@ def gpu_table(
     e = estimate_memory(config, run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad,
                         run.param_dtype, adapter, r, run.state_grad_on_host, checkpointed=run.checkpointing,
                         replay_tokens=run.replay_tokens, expert_parallel=ep,
-                        response_chunk_size=run.response_chunk_size)
+                        response_chunk_size=run.response_chunk_size, state_on_host=run.state_on_host)
     preflight = e.total_bytes + unsharded + grads + experts.gradients  # the engine's pre-flight figure
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
@@ -138,10 +139,12 @@ def gpu_table(
          f"{' less its routed experts' if ep else ''} and their {str(run.reduce_dtype)[6:]} reduce-scatter input",
          grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
-         f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})", e.state_bytes, 0),
+         f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})" + (
+             "; state_on_host: the rows pinned on the host, two layers' rows and the fixed-size states on the device"
+             if run.state_on_host else ""), e.state_bytes, e.host_state_bytes),
         ("float32 state-gradient sums" + (" (state_grad_on_host: pinned, with a staging buffer of the largest state "
                                           "tensor)" if run.state_grad_on_host else ""),
-         e.device_state_grad_bytes, e.host_bytes),
+         e.device_state_grad_bytes, e.host_bytes - e.host_state_bytes),
         ("state gradients one layer's backward hands its state (model dtype)" + (
             ", and the one whose copy to the host is in flight" if run.state_grad_on_host else ""),
          e.state_leaf_grad_bytes + e.in_flight_bytes, 0),
@@ -162,4 +165,4 @@ def gpu_table(
     host = sum(h for _, _, h in rows)
     fsdp_step = 0 if run.offload_policy else shard + 4 * trained_shard  # gradients, two moments, a temporary
     optimizer_step = fsdp_step + experts.parameters + 4 * experts.gradients + n.buffer_bytes
-    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step)
+    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step, e.host_state_bytes)

@@ -210,7 +210,8 @@ class Training:
     ``reduce_dtype``, ``model_dtype`` (the dtype the model is loaded in: the sharded parameters', their gradients'
     and moments'), and ``checkpointing`` (``enable_gradient_checkpointing``); LongStraw's ``replay_tokens``
     (the replay batch's token budget) and ``expert_parallel`` (the routed experts split over the CP group,
-    resident in ``model_dtype`` outside FSDP2: ``parallel.experts``); ``lora``: veRL's LoRA settings (the base
+    resident in ``model_dtype`` outside FSDP2: ``parallel.experts``), ``state_on_host`` (the prompt state's rows in
+    host memory, streamed a layer at a time: ``state.stream``); ``lora``: veRL's LoRA settings (the base
     frozen: gradients and AdamW moments of the adapters only, the reference policy the actor with its adapters
     disabled)."""
 
@@ -231,6 +232,7 @@ class Training:
     model_dtype: torch.dtype = torch.float32
     expert_parallel: bool = False
     response_chunk_size: int | None = None
+    state_on_host: bool = False
 
 
 VERL_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # veRL's config spelling
@@ -254,5 +256,5 @@ def recipe_training(cfg) -> Training:
         checkpointing=model.enable_gradient_checkpointing,
         lora=Lora(model.get("lora_rank", 0), targets if isinstance(targets, str) else tuple(targets)),
         model_dtype=VERL_DTYPES[fsdp.model_dtype], expert_parallel=knobs.get("expert_parallel", False),
-        response_chunk_size=knobs.get("response_chunk_size"),
+        response_chunk_size=knobs.get("response_chunk_size"), state_on_host=knobs.state_on_host,
     )

@@ -43,6 +43,10 @@ def check_budget(estimate: MemoryEstimate, budget_bytes: int) -> None:
         return f"-{gib(e.total_bytes - total_without)}, {verdict}"
 
     knobs = []
+    if not e.state_on_host and e.streamed_total_bytes < e.total_bytes:
+        knobs.append(f"actor_rollout_ref.actor.longstraw.state_on_host=True ({saving(e.streamed_total_bytes)}: the "
+                     f"prompt state's rows, {gib(e.streamed_host_state_bytes)} a rank, in host memory, brought to the "
+                     "device a layer at a time)")
     if e.device_state_grad_bytes:
         knobs.append(f"state_grad_on_host=True ({saving(e.total_bytes - e.device_state_grad_bytes + e.staging_bytes)}: "
                      "the float32 state-gradient sums in host memory)")

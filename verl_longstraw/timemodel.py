@@ -20,12 +20,18 @@ Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats
 - "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the gradient
   of the differentiable state it read: every row of its prefix, and a fixed-size state once; model dtype) and the
   float32 sums a recompute reads back (its own state's);
+- "state_stream": with ``state_on_host``, the prompt state's rows a step reads (its prefix's, the kinds that
+  ``stream``) copied from the host to the device a layer at a time (``state.stream``): once in its forward, and once
+  more in a backward (what the forward saved of them is fetched back; checkpointed, the recompute reads them again);
+  ``stream_overlap`` says how much of it hides behind the phase's other work (the next layer's copy runs on a side
+  stream while the layers before it compute);
 - "layer_calls": decoder-layer calls, each priced at a fixed cost (kernel launches on a GPU, Python dispatch on a
   CPU).
 
 Not modelled: elementwise and memory-bound work outside these classes (norms, activations, the scoring's softmax:
-inside each class's efficiency), overlap of collectives or copies with compute (the model adds them), the optimizer
-step, MoE token exchanges, load imbalance between ranks.
+inside each class's efficiency), overlap of collectives or copies with compute (the model adds them; the printed
+table takes off the streamed state's hidden seconds, ``stream_overlap``), the optimizer step, MoE token exchanges,
+load imbalance between ranks.
 
     python -m verl_longstraw.timemodel --model Qwen3.5-27B --prompt-len 2097152 --cp-size 8 --gpu H20 \\
         --prompt-grad detached exact --reference-seconds 6785
@@ -48,7 +54,7 @@ from .plan import Plan, star_plan
 
 PHASES = ("capture", "replay", "recompute")
 FLOP_WORK = ("matmul", "attention_forward", "attention_backward", "scan")
-WORK = (*FLOP_WORK, "collective", "host_copy", "layer_calls")  # FLOPs, FLOPs..., bytes, bytes, calls
+WORK = (*FLOP_WORK, "collective", "host_copy", "state_stream", "layer_calls")  # FLOPs..., bytes x 3, calls
 _FORWARD = {"matmul": "matmul", "attention": "attention_forward", "scan": "scan"}  # ``flops.FLOP_CLASSES`` ->
 _BACKWARD = {"matmul": "matmul", "attention": "attention_backward", "scan": "scan"}  # work classes
 
@@ -56,11 +62,12 @@ _BACKWARD = {"matmul": "matmul", "attention": "attention_backward", "scan": "sca
 def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat16, adapter: Adapter | None = None,
                state_grad_on_host: bool = False, fsdp_param_bytes: int = 0,
                reduce_dtype: torch.dtype = torch.float32, frozen_base: bool = False,
-               checkpointed: bool = False) -> dict[str, dict[str, float]]:
+               checkpointed: bool = False, state_on_host: bool = False) -> dict[str, dict[str, float]]:
     """Per phase (``PHASES``), the work (``WORK``: FLOPs, bytes, calls) of a walk of ``plan`` computing ``mode`` on
     its rank, in a model of ``config`` (or ``adapter``'s) in ``dtype`` (module docstring). ``fsdp_param_bytes``: the
     whole model's parameters in their compute dtype, gathered by FSDP2 over ``plan.world`` ranks (0: no FSDP2); with
-    ``frozen_base`` (LoRA) no gradient of them is reduce-scattered."""
+    ``frozen_base`` (LoRA) no gradient of them is reduce-scattered; ``state_on_host``: the knob (the streamed rows'
+    copies, "state_stream")."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     adapter = adapter if adapter is not None else adapter_on_meta(config)
     cost, layers = model_cost(adapter), _Layers(config, dtype, adapter, "cuda")
@@ -68,6 +75,7 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
     gathered = fsdp_param_bytes * (world - 1) / world
     grads_scattered = 0 if frozen_base else gathered * reduce_dtype.itemsize / dtype.itemsize
     differentiable = [s for layer in adapter.specs() for s in layer if s.differentiable]
+    streamed = [s for layer in adapter.specs() for s in layer if s.streams]
     work = {phase: dict.fromkeys(WORK, 0.0) for phase in PHASES}
     for step in plan.steps(mode):
         if step.call is None:
@@ -87,6 +95,8 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
         out["collective"] += gathered * (2 if backward else 1) + (grads_scattered if backward else 0)
         # the walk's own: under CP the gathers of the scored log-probs and the losses, the sums of value gradients
         out["collective"] += sum(step.collectives(loss=mode != "log_probs", entropy=False).values())
+        if state_on_host and calls[0].prefix:  # the prefix rows come to the device: forward, and again in backward
+            out["state_stream"] += (2 if backward else 1) * sum(s.nbytes(calls[0].prefix, dtype) for s in streamed)
         if state_grad_on_host and backward and mode == "exact":
             read = calls[0].prefix  # the gradient of the state it read goes to the host sums (model dtype)
             out["host_copy"] += sum(s.nbytes(read, dtype) for s in differentiable) if read else 0
@@ -120,7 +130,7 @@ DEVICES = {
 @dataclass(frozen=True)
 class Efficiencies:
     """Fractions of a device's peak each class reaches (FLOP classes of ``bf16_flops``, "collective" of the link,
-    "host_copy" of PCIe), and the fixed seconds of one decoder-layer call."""
+    "host_copy" and "state_stream" of PCIe), and the fixed seconds of one decoder-layer call."""
 
     matmul: float
     attention_forward: float
@@ -136,6 +146,7 @@ class Efficiencies:
         link = device.internode_bytes_per_s if internode else device.nvlink_bytes_per_s
         out = {name: getattr(self, name) * device.bf16_flops for name in FLOP_WORK}
         out |= {"collective": self.collective * link, "host_copy": self.host_copy * device.pcie_bytes_per_s,
+                "state_stream": self.host_copy * device.pcie_bytes_per_s,
                 "layer_calls": 1 / self.layer_call_s if self.layer_call_s else float("inf")}
         return out
 
@@ -151,6 +162,16 @@ ASSUMED = Efficiencies(matmul=0.6, attention_forward=0.5, attention_backward=0.3
 def seconds(work: Mapping[str, float], rates: Mapping[str, float]) -> float:
     """Seconds of one phase's ``work`` at ``rates`` (work per second per class): the classes' times added."""
     return sum(amount / rates[name] for name, amount in work.items() if amount)
+
+
+def stream_overlap(work: Mapping[str, float], rates: Mapping[str, float]) -> tuple[float, float]:
+    """(seconds, of which hidden) of one phase's streamed-state copies (``work["state_stream"]``) at ``rates``. The
+    copy of a layer's rows runs on a side stream while the layers before it compute, so it is hidden where it takes
+    no longer than they do: with the copies and the compute spread evenly over the phase's layer calls, hidden are
+    the copy seconds up to the phase's other seconds (``seconds`` of the rest of ``work``)."""
+    copy = work["state_stream"] / rates["state_stream"] if work["state_stream"] else 0.0
+    other = seconds({name: amount for name, amount in work.items() if name != "state_stream"}, rates)
+    return copy, min(copy, other)
 
 
 def calibrate(works: Sequence[Mapping[str, float]], measured: Sequence[float]) -> dict[str, float]:
@@ -194,13 +215,15 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _table(work: dict[str, dict[str, float]], rates: dict[str, float], peak: float) -> tuple[list[str], float]:
     """Markdown rows of each phase's seconds and MFU (its FLOPs over its seconds at ``peak``), and the step's
-    seconds."""
+    seconds; a phase's streamed-state copies count less their hidden part (``stream_overlap``)."""
     rows, total = [], 0.0
     for phase in PHASES:
-        t = seconds(work[phase], rates)
+        copy, hidden = stream_overlap(work[phase], rates)
+        t = seconds(work[phase], rates) - hidden
         total += t
         flops = sum(work[phase][name] for name in FLOP_WORK)
         parts = ", ".join(f"{name} {work[phase][name] / rates[name]:.0f} s" for name in WORK if work[phase][name])
+        parts += f" ({hidden:.0f} of its {copy:.0f} s hidden behind compute)" if copy else ""
         rows.append(f"| {phase} | {flops / 1e15:.1f} | {t:.0f} | {flops / t / peak if t else 0:.1%} | {parts} |")
     return rows, total
 
@@ -220,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--prompt-grad", nargs="+", choices=("exact", "detached"), default=["detached", "exact"])
     parser.add_argument("--state-grad-on-host", action="store_true")
     parser.add_argument("--checkpointed", action="store_true", help="per-layer activation checkpointing")
+    parser.add_argument("--state-on-host", action="store_true", help="the prompt state's rows streamed from the host")
     parser.add_argument("--gpu", choices=sorted(DEVICES), default="H20")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="a larger --cp-size crosses nodes")
     parser.add_argument("--lora", action="store_true", help="a frozen base (LoRA): no weight gradients")
@@ -241,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> str:
              f"{args.gpu} (bf16 {device.bf16_flops / 1e12:.0f} TFLOP/s), efficiencies assumed: {ASSUMED}", ""]
     for mode in args.prompt_grad:
         work = phase_work(config, plan, mode, adapter=adapter, state_grad_on_host=args.state_grad_on_host,
-                          fsdp_param_bytes=params, frozen_base=args.lora, checkpointed=args.checkpointed)
+                          fsdp_param_bytes=params, frozen_base=args.lora, checkpointed=args.checkpointed,
+                          state_on_host=args.state_on_host)
         rows, total = _table(work, rates, device.bf16_flops)
         lines += [f"## {mode}: predicted step {total:,.0f} s", "", "| phase | PFLOPs | s | MFU | by class |",
                   "|---|---:|---:|---:|---|", *rows, ""]

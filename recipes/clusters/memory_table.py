@@ -50,11 +50,13 @@ BLOCK = re.compile(  # a README block: the opening comment names the command, th
 
 MODELS = {  # each recipe's model (a CONFIGS name)
     "qwen35_27b_1m": "Qwen3.5-27B", "qwen35_27b_4m": "Qwen3.5-27B", "qwen35_27b_1m_lora": "Qwen3.5-27B",
+    "qwen35_27b_8m_host": "Qwen3.5-27B", "qwen35_27b_2m_4gpu_host": "Qwen3.5-27B",
     "glm5_mla_multinode": "GLM-5", "glm5_lora": "GLM-5", "glm52_ep_lora": "GLM-5.2",
     "qwen35_397b_ep_lora": "Qwen3.5-397B-A17B", "qwen35_122b_ep": "Qwen3.5-122B-A10B",
 }
 GPU_BYTES = {  # 96 GB (H20); H200 141 GB
-    "qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "qwen35_27b_1m_lora": 96e9, "glm5_mla_multinode": 141e9,
+    "qwen35_27b_1m": 96e9, "qwen35_27b_4m": 96e9, "qwen35_27b_1m_lora": 96e9, "qwen35_27b_8m_host": 96e9,
+    "qwen35_27b_2m_4gpu_host": 96e9, "glm5_mla_multinode": 141e9,
     "glm5_lora": 141e9, "glm52_ep_lora": 96e9, "qwen35_397b_ep_lora": 96e9, "qwen35_122b_ep": 96e9,
 }
 SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fields), per recipe
@@ -62,11 +64,21 @@ SWEEPS: dict[str, list[dict]] = {  # other knobs for the same step (Training fie
         *({"chunk_size": c} for c in (16384, 32768, 131072, 262144)),
         {"state_grad_on_host": False},
         {"checkpointing": False},
+        {"state_on_host": True},
     ],
     "qwen35_27b_4m": [
         *({"chunk_size": c} for c in (32768, 131072, 262144)),
         *({"cp_size": 8, "chunk_size": c} for c in (65536, 131072, 262144)),
         {"cp_size": 8, "chunk_size": 131072, "prompt_grad": "detached"},
+        {"cp_size": 8, "state_on_host": True},
+    ],
+    "qwen35_27b_8m_host": [
+        {"state_on_host": False},
+        *({"chunk_size": c} for c in (32768, 131072)),
+    ],
+    "qwen35_27b_2m_4gpu_host": [
+        {"state_on_host": False},
+        *({"chunk_size": c} for c in (32768, 131072)),
     ],
     "qwen35_27b_1m_lora": [
         {"offload_policy": True, "optimizer_offload": True},
@@ -155,7 +167,8 @@ def describe(run: Training) -> str:
             f"gradient checkpointing {run.checkpointing}"
             + (f", LoRA rank {run.lora.rank} on {run.lora.target_modules}" if run.lora.rank else "")
             + (f", {VERL_DTYPE_NAMES[run.model_dtype]} model" if run.model_dtype != torch.float32 else "")
-            + (", expert parallelism over the CP group" if run.expert_parallel else ""))
+            + (", expert parallelism over the CP group" if run.expert_parallel else "")
+            + (", state_on_host True" if run.state_on_host else ""))
 
 
 def table(name: str, model: str | None = None, gpu_gb: float | None = None) -> str:
@@ -180,16 +193,17 @@ def sweep(name: str, model: str | None = None, gpu_gb: float | None = None) -> s
         if expert_parallel is None:
             m = memory(name, cfg, model, gpu_bytes, **change)
         elif expert_parallel and change.get("cp_size", recipe_training(cfg).cp_size) < 2:
-            return "n/a | n/a | n/a"
+            return "n/a | n/a | n/a | n/a"
         else:
             m = memory(name, cfg, model, gpu_bytes, **change, expert_parallel=expert_parallel)
-        return f"{m.peak / GIB:.2f} | {m.host / GIB:.2f} | {'yes' if m.peak <= m.gpu_bytes else 'no'}"
+        state_host = f"{m.state_host * m.gpus_per_node / GIB:.2f}" if m.state_host else "-"
+        return f"{m.peak / GIB:.2f} | {m.host / GIB:.2f} | {state_host} | {'yes' if m.peak <= m.gpu_bytes else 'no'}"
 
-    header = "device peak GiB | host GiB per rank | fits"
+    header = "device peak GiB | host GiB per rank | prompt state on the host (state_on_host), GiB per node | fits"
     heads = [header] if layouts == [None] else [f"FSDP2 alone: {header}", f"expert parallelism over the CP group: "
                                                                           f"{header}"]
     lines = [f"{model} ({name}), changed from the recipe's knobs:", "",
-             f"| knobs | {' | '.join(heads)} |", "|---|" + "---:|---:|---|" * len(heads)]
+             f"| knobs | {' | '.join(heads)} |", "|---|" + "---:|---:|---:|---|" * len(heads)]
     for change in [{}, *SWEEPS[name]]:
         knobs = ", ".join(f"{k}={v}" for k, v in change.items()) or "(the recipe)"
         lines.append(f"| {knobs} | {' | '.join(columns(change, layout) for layout in layouts)} |")

@@ -36,6 +36,9 @@ CLUSTER_RECIPES = {
     # name: (folder under recipes/clusters, nnodes, prompt tokens, response tokens, context_parallel_size, fsdp_size)
     "qwen35_27b_1m": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),
     "qwen35_27b_4m": ("qwen35_27b_1m", 2, 17 * 2**18, 8192, 16, -1),  # the 4.46M-position stress variant
+    # the prompt state in host memory (state_on_host): 8M positions on one node, 2.1M on four GPUs
+    "qwen35_27b_8m_host": ("qwen35_27b_1m", 1, 2**23, 8192, 8, -1),
+    "qwen35_27b_2m_4gpu_host": ("qwen35_27b_1m", 1, 2**21, 8192, 4, -1),
     "glm5_mla_multinode": ("glm5_mla_multinode", 4, 2**21, 8192, 8, 8),
     "qwen35_27b_1m_lora": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),  # LoRA variants
     "glm5_lora": ("glm5_mla_multinode", 4, 2**21, 8192, 32, -1),
@@ -45,6 +48,8 @@ CLUSTER_RECIPES = {
     "qwen35_122b_ep": ("qwen35_moe_ep", 2, 2**21, 8192, 16, -1),
 }
 EXPERT_PARALLEL = {"glm52_ep_lora", "qwen35_397b_ep_lora", "qwen35_122b_ep"}
+STATE_ON_HOST = {"qwen35_27b_8m_host", "qwen35_27b_2m_4gpu_host"}  # the prompt state's rows in host memory
+GPUS_PER_NODE = {"qwen35_27b_2m_4gpu_host": 4}  # 8 for the others
 # the trainer's shards on the GPU (no FSDP2 CPUOffloadPolicy): no full-model gradients or moments to offload
 ON_GPU = {"qwen35_27b_1m_lora", "glm52_ep_lora", "qwen35_397b_ep_lora"}
 
@@ -75,17 +80,19 @@ def test_cluster_recipe_composes_and_validates(name):
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     assert actor.strategy == "longstraw" and cfg.actor_rollout_ref.ref.strategy == "longstraw"
     assert cfg.trainer.v1.trainer_mode == "longstraw_sync" and cfg.algorithm.adv_estimator == "grpo"
-    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (nnodes, 8)
+    gpus = GPUS_PER_NODE.get(name, 8)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (nnodes, gpus)
     assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (prompt, response)
     assert rollout.max_model_len == prompt + response
     knobs = actor.longstraw
     assert (knobs.prompt_grad, knobs.context_parallel_size, knobs.state_grad_on_host) == ("exact", cp_size, True)
     assert knobs.get("expert_parallel", False) == (name in EXPERT_PARALLEL)  # EP = CP: the CP group's size
+    assert knobs.state_on_host == (name in STATE_ON_HOST)
     assert prompt % knobs.chunk_size == 0 and knobs.chunk_size % cp_size == 0  # whole chunks, equal slices
     assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing  # the README tables count it
     # context parallelism: the FSDP shard group is the CP group (actor and the reference policy, which
     # inherits the knobs), whole GRPO groups per micro-batch, and whole CP groups' worth of groups per step
-    n, world = rollout.n, nnodes * 8
+    n, world = rollout.n, nnodes * gpus
     assert cfg.actor_rollout_ref.ref.longstraw.context_parallel_size == cp_size
     for role in (actor, cfg.actor_rollout_ref.ref):
         assert role.fsdp_config.fsdp_size == fsdp_size

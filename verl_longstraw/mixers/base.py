@@ -15,6 +15,7 @@ against ``memory.SavedTensorMeter`` on CPU.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,13 +33,16 @@ if TYPE_CHECKING:
 class SegmentContext:
     """What every layer of one segment shares: rotary tables of its positions, how the segment is split
     over a context-parallel group (``split``, the plan's, and ``group``; None: one process), scratch for the
-    ops (e.g. DSA's selection, shared by the layers after an indexer layer)."""
+    ops (e.g. DSA's selection, shared by the layers after an indexer layer), and the path state the layers read
+    (``past``), for an op that reads a layer's state again after that layer ran (DSA's selection made again)."""
 
     cos: torch.Tensor  # [S, rotary_dim]: the segment's S tokens
     sin: torch.Tensor
     split: Split | None = None
     group: comm.Group = None
     scratch: dict[str, Any] = field(default_factory=dict)
+    past: Sequence[LayerState] | None = None  # ``past[l]``: layer l's state (``execute.run_segment`` sets it); a
+    # ``state.stream.StreamedPath`` copies layer l's host rows to the device again at each read
 
     @property
     def splits_sequence(self) -> bool:

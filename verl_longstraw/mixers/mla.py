@@ -80,12 +80,12 @@ def _sparse_selection(
 
 @dataclass
 class _SelectionInputs:
-    """What an indexer layer's key selection is computed from in one segment (``_sparse_selection``'s arguments)."""
+    """What an indexer layer's key selection is computed from in one segment (``_sparse_selection``'s arguments)
+    besides the prefix's indexer keys, which are read from the path state again (``SegmentContext.past``)."""
 
     indexer: nn.Module
     x: torch.Tensor
     q_resid: torch.Tensor
-    past_keys: torch.Tensor
     keys: torch.Tensor
     interleaved: bool
 
@@ -93,24 +93,29 @@ class _SelectionInputs:
 class DsaSelections:
     """The DSA key selections of one segment (``ctx.scratch["dsa"]``), by the index of the indexer layer that makes
     them: each indexer layer's inputs to its selection (its normed input and query residual, [B, S, hidden] and
-    [B, S, q_lora_rank], and the indexer keys), and the one selection last made (a key mask can be as large as
-    [queries of all ranks, prompt rows of this rank], so only one is kept).
+    [B, S, q_lora_rank], and the segment's indexer keys), and the one selection last made (a key mask can be as large
+    as [queries of all ranks, prompt rows of this rank], so only one is kept). The prefix's indexer keys are not
+    kept: with ``state_on_host`` they are a device copy of host rows (``state.stream``), which would keep every
+    indexer layer's copy on the device for the whole segment.
 
     A shared layer asks for its indexer layer's selection (``mask``): the one kept if it is that layer's, else
-    selected again from that layer's inputs. So it gets its own indexer layer's selection in whatever order the layers
-    run: under activation checkpointing the backward recomputes the layers last to first, and a shared layer's
-    recompute comes after a later indexer layer's (the model itself passes ``prev_topk_indices`` as a layer argument
-    for this). Every rank asks in the same order (the layers'), so a selection made again issues the same
-    collectives on every rank."""
+    selected again from that layer's inputs and its prefix keys read from the path again (``ctx.past[source]``; a
+    ``StreamedPath`` copies that layer's rows to the device again). So it gets its own indexer layer's selection in
+    whatever order the layers run: under activation checkpointing the backward recomputes the layers last to first,
+    and a shared layer's recompute comes after a later indexer layer's (the model itself passes
+    ``prev_topk_indices`` as a layer argument for this). Every rank asks in the same order (the layers'), so a
+    selection made again issues the same collectives on every rank."""
 
     def __init__(self) -> None:
         self.inputs: dict[int, _SelectionInputs] = {}
         self.kept: tuple[int, torch.Tensor | None] | None = None
 
-    def select(self, source: int, inputs: _SelectionInputs, ctx: SegmentContext) -> torch.Tensor | None:
-        """Layer ``source``'s selection (``_sparse_selection``) from ``inputs``, remembered with them."""
+    def select(self, source: int, inputs: _SelectionInputs, past_keys: torch.Tensor,
+               ctx: SegmentContext) -> torch.Tensor | None:
+        """Layer ``source``'s selection (``_sparse_selection``) from ``inputs`` after the prefix's indexer keys
+        ``past_keys`` [1, P(_r), index_head_dim], remembered with the inputs."""
         self.inputs[source] = inputs
-        mask = _sparse_selection(inputs.indexer, inputs.x, inputs.q_resid, inputs.past_keys, inputs.keys, ctx,
+        mask = _sparse_selection(inputs.indexer, inputs.x, inputs.q_resid, past_keys, inputs.keys, ctx,
                                  inputs.interleaved)
         self.kept = (source, mask)
         return mask
@@ -122,8 +127,11 @@ class DsaSelections:
         if source not in self.inputs:
             raise RuntimeError(f"DSA: a shared layer reads the selection of indexer layer {source}, which made none in "
                                f"this segment (layers run out of order, or that layer's output was not needed)")
+        if ctx.past is None:
+            raise RuntimeError(f"DSA: selecting the keys of indexer layer {source} again reads its prefix keys from "
+                               "SegmentContext.past, which is None (execute.run_segment sets it)")
         with torch.no_grad():
-            return self.select(source, self.inputs[source], ctx)
+            return self.select(source, self.inputs[source], ctx.past[source][1], ctx)
 
 
 class LatentAttention(RowAttention):
@@ -231,8 +239,8 @@ class LatentAttention(RowAttention):
             keys = _indexer_keys(indexer, x, ctx, self.indexer_interleaved)
             if not need_output:  # a state-only call: nothing attends, no selection
                 return (keys,), None
-            inputs = _SelectionInputs(indexer, x.detach(), q_resid.detach(), past[1], keys, self.indexer_interleaved)
-            return (keys,), selections.select(self.selection_source, inputs, ctx)
+            inputs = _SelectionInputs(indexer, x.detach(), q_resid.detach(), keys, self.indexer_interleaved)
+            return (keys,), selections.select(self.selection_source, inputs, past[1], ctx)
 
     def forward(self, x, ctx, past, need_output):
         """Without ``need_output`` only the latent rows (and a DSA layer's indexer keys) are computed: no queries
