@@ -115,6 +115,25 @@ def test_norm_saves_on_meta_match_the_meter_and_their_half_precision_copies(fami
         assert half > 0
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_norm_saves_are_counted_whatever_the_grad_mode(mode):
+    """The engine's pre-flight estimate runs inside veRL's no_grad log-prob call, and the count is cached for the
+    process: counted there, a norm's saves are what the meter sees with autograd on (once 0: the Mamba1 estimate
+    then fell short of the meter after an engine test)."""
+    width = 40 if mode is torch.no_grad else 44  # a width no other test counts first
+    norm = torch.nn.LayerNorm(width)
+    with mode():
+        counted = saved_row_bytes(norm, width, torch.float32)
+    peaks = []
+    for rows in (32, 64):
+        x = torch.randn(rows, width, requires_grad=True)
+        with SavedTensorMeter(exclude=norm.parameters()) as meter:
+            out = norm(x)
+        peaks.append(meter.peak)
+        del out
+    assert counted == (peaks[1] - peaks[0]) / 32 > 0, (counted, peaks)
+
+
 def _subclasses(cls: type) -> set[type]:
     return {sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))}
 

@@ -110,7 +110,8 @@ def saved_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inp
     """Bytes ``module`` (a norm: ``inputs`` tensors [rows, width] in, e.g. a gated norm's values and gate) saves
     for backward per row on inputs of ``dtype`` that need gradients, its parameters in ``dtype`` too: counted on
     the meta device from the tensors its forward saves (each storage once; its parameters, the optimizer's, not
-    counted; an input saved as it is counted). Cached per module class, parameter shapes, width, dtype, inputs."""
+    counted; an input saved as it is counted), with autograd on whatever the caller's grad mode. Cached per module
+    class, parameter shapes, width, dtype, inputs."""
     key = (type(module), tuple(p.shape for p in module.parameters()), width, dtype, inputs)
     if key not in _SAVED_ROW_BYTES:
         _SAVED_ROW_BYTES[key] = _count_saved_row_bytes(module, width, dtype, inputs)
@@ -122,9 +123,11 @@ _SAVED_ROW_BYTES: dict[tuple, float] = {}
 
 def _count_saved_row_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int) -> float:
     """Per row: the saves of 16 rows less those of 8 (what does not grow with the rows, e.g. a weight's float32
-    copy, cancels), over 8."""
-    return (_count_saved_bytes(module, width, dtype, inputs, 16) - _count_saved_bytes(module, width, dtype, inputs,
-                                                                                        8)) / 8
+    copy, cancels), over 8. Autograd on whatever the caller's mode: the engine's pre-flight runs inside veRL's
+    no_grad log-prob call, where nothing would be saved and the cache would keep 0 for the process."""
+    with torch.inference_mode(False), torch.enable_grad():
+        sixteen, eight = (_count_saved_bytes(module, width, dtype, inputs, rows) for rows in (16, 8))
+    return (sixteen - eight) / 8
 
 
 def _count_saved_bytes(module: torch.nn.Module, width: int, dtype: torch.dtype, inputs: int, rows: int) -> int:
