@@ -62,6 +62,18 @@ def test_the_time_models_collectives_are_the_dry_runs(measured):
         assert amounts["collective"] == pytest.approx(measured.phase_collective_bytes[phase], abs=1024), phase
 
 
+def test_state_on_host_keeps_the_rows_on_the_host_as_estimated(measured):
+    """With ``state_on_host`` the same step streams its prompt rows through (fake) pinned host memory on the fake
+    CUDA runtime's copy stream: the host holds the rows on top of the state-gradient sums, as the estimate counts
+    them (to the byte), and the estimate still bounds the device peak."""
+    config = dryrun.model_config("Qwen3.5-27B", layers=4)
+    step = dataclasses.replace(STEP, state_on_host=True)
+    streamed, predicted = dryrun.dry_run(config, step), dryrun.estimate(config, step)
+    assert predicted.host_state_bytes > 0
+    assert streamed.host_peak_bytes == predicted.host_bytes == measured.host_peak_bytes + predicted.host_state_bytes
+    assert predicted.total_bytes >= streamed.peak_bytes
+
+
 def test_the_command_line_reports_and_sets_its_status(capsys):
     args = ["--model", "Qwen3.5-27B", "--layers", "1", "--prompt-len", "4096", "--chunk-size", "2048",
             "--group-size", "2", "--response-len", "256"]

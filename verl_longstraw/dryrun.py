@@ -102,6 +102,7 @@ class Step:
     rank: int = 0
     checkpointed: bool = False
     state_grad_on_host: bool = False
+    state_on_host: bool = False
     dtype: torch.dtype = torch.bfloat16
     lora: Lora = Lora()
     expert_parallel: bool = False
@@ -129,7 +130,8 @@ class Step:
     @property
     def knobs(self) -> Knobs:
         return Knobs(chunk_size=self.chunk_size, response_chunk_size=self.response_chunk_size,
-                     prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host)
+                     prompt_grad=self.prompt_grad, state_grad_on_host=self.state_grad_on_host,
+                     state_on_host=self.state_on_host)
 
     @property
     def training(self) -> Training:
@@ -138,7 +140,7 @@ class Step:
                         self.cp_size, self.state_grad_on_host, self.offload_policy, self.optimizer_offload,
                         param_dtype=self.dtype, reduce_dtype=self.reduce_dtype, checkpointing=self.checkpointed,
                         lora=self.lora, model_dtype=self.model_dtype, expert_parallel=self.expert_parallel,
-                        response_chunk_size=self.response_chunk_size)
+                        response_chunk_size=self.response_chunk_size, state_on_host=self.state_on_host)
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -415,7 +417,8 @@ def estimate(config: transformers.PretrainedConfig, step: Step) -> MemoryEstimat
                            prompt_grad=step.prompt_grad, dtype=step.dtype, cp_size=step.cp_size,
                            state_grad_on_host=step.state_grad_on_host, rank=step.rank,
                            checkpointed=step.checkpointed, device_type="cuda",
-                           expert_parallel=step.expert_parallel, response_chunk_size=step.response_chunk_size)
+                           expert_parallel=step.expert_parallel, response_chunk_size=step.response_chunk_size,
+                           state_on_host=step.state_on_host)
 
 
 def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str, dict[str, float]]:
@@ -424,7 +427,8 @@ def modelled_work(config: transformers.PretrainedConfig, step: Step) -> dict[str
     out = {}
     for walk, mode in (("log_probs", "log_probs"), ("update", step.prompt_grad)):
         work = timemodel.phase_work(config, step.plan, mode, step.dtype, state_grad_on_host=step.state_grad_on_host,
-                                    frozen_base=step.lora.rank > 0, checkpointed=step.checkpointed)
+                                    frozen_base=step.lora.rank > 0, checkpointed=step.checkpointed,
+                                    state_on_host=step.state_on_host)
         out |= {f"{walk} {phase}": amounts for phase, amounts in work.items() if amounts["layer_calls"]}
     return out
 
@@ -442,7 +446,8 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
     lines = [f"{name}: P = {step.prompt_len}, G = {step.group_size} x {step.response_len}{segments}, chunk "
              f"{step.chunk_size}, "
              f"{step.prompt_grad}, rank {step.rank} of {step.cp_size}, checkpointed {step.checkpointed}, "
-             f"state_grad_on_host {step.state_grad_on_host}, {str(step.dtype).removeprefix('torch.')}"
+             f"state_grad_on_host {step.state_grad_on_host}, state_on_host {step.state_on_host}, "
+             f"{str(step.dtype).removeprefix('torch.')}"
              f"{lora}{split}"
              " (fake CUDA tensors: a dry run, not a GPU measurement)", "",
              f"| phase | peak GiB | TFLOPs (torch) | collective GiB | time model: collective GiB | expert all-to-all "
@@ -474,7 +479,8 @@ def report(name: str, step: Step, measured: Measured, predicted: MemoryEstimate,
               f"{verdict}; update walk {update_flops / 1e12:.1f} TFLOPs counted by torch, "
               f"{measured.model_flops / 1e12:.1f} by flops.py",
               f"host {measured.host_peak_bytes / GIB:.2f} GiB, estimate {predicted.host_bytes / GIB:.2f} GiB (state-"
-              "gradient sums and their staging buffer: fake host tensors, counted, not allocated)",
+              "gradient sums and their staging buffer, with state_on_host the prompt state's rows: fake host "
+              "tensors, counted, not allocated)",
               f"largest tensor {measured.largest_tensor_bytes / GIB:.2f} GiB; most elements "
               f"{measured.largest_tensor_numel}"
               f"{' (2^31 or more)' if measured.largest_tensor_numel >= 2**31 else ''}: "
@@ -501,7 +507,8 @@ def recipe_step(name: str) -> Step:
     try:
         run = recipe_training(compose_recipe(name))
         return Step(run.prompt_len, run.group_size, run.response_len, run.chunk_size, run.prompt_grad, run.cp_size,
-                    0, run.checkpointing, run.state_grad_on_host, run.param_dtype, run.lora, run.expert_parallel,
+                    0, run.checkpointing, run.state_grad_on_host, run.state_on_host, run.param_dtype, run.lora,
+                    run.expert_parallel,
                     response_chunk_size=run.response_chunk_size, fsdp2=True, model_dtype=run.model_dtype,
                     reduce_dtype=run.reduce_dtype, offload_policy=run.offload_policy,
                     optimizer_offload=run.optimizer_offload)
@@ -519,6 +526,7 @@ def step_of(args: argparse.Namespace) -> Step:
     given = {"prompt_len": args.prompt_len, "group_size": args.group_size, "response_len": args.response_len,
              "chunk_size": args.chunk_size, "prompt_grad": args.prompt_grad, "cp_size": args.cp_size,
              "rank": args.rank, "checkpointed": args.checkpointed, "state_grad_on_host": args.state_grad_on_host,
+             "state_on_host": args.state_on_host,
              "dtype": DTYPES[args.dtype] if args.dtype else None, "expert_parallel": args.expert_parallel,
              "routing_skew": args.routing_skew, "response_chunk_size": args.response_chunk_size,
              "fsdp2": args.fsdp2}
@@ -553,6 +561,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--checkpointed", action="store_true", default=None, help="per-layer activation checkpointing")
     parser.add_argument("--state-grad-on-host", action="store_true", default=None)
+    parser.add_argument("--state-on-host", action="store_true", default=None,
+                        help="the prompt state's rows in host memory, streamed a layer at a time")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--lora-rank", type=int, help="LoRA adapters of this rank, the base frozen (0: none)")
     parser.add_argument("--lora-targets", help="the LoRA target modules, comma-separated (default: all-linear)")

@@ -73,10 +73,12 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream host-to-device copies run on (one per CUDA device); None off CUDA (copies run at once)."""
+    """The side stream host-to-device copies run on (one per CUDA device); None off CUDA (copies run at once). Made
+    again where the one kept is not of the ``torch.cuda.Stream`` class in force: a dry run's (``fake_cuda``) stand-in
+    does not outlive its run, nor a real stream enter one."""
     if device.type != "cuda":
         return None
-    if device not in _COPY_STREAMS:
+    if not isinstance(_COPY_STREAMS.get(device), torch.cuda.Stream):
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return _COPY_STREAMS[device]
 
@@ -84,8 +86,9 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
 def copies_landed(device: torch.device) -> None:
     """Wait until every copy issued to ``device`` has read its host rows (before the store overwrites host rows a
     prefetch of another path may still be reading: a sibling segment's, after its parent's rows)."""
-    if device in _COPY_STREAMS:
-        _COPY_STREAMS[device].synchronize()
+    stream = _COPY_STREAMS.get(device)
+    if isinstance(stream, torch.cuda.Stream):  # none issued on another class's stream (``_copy_stream``)
+        stream.synchronize()
 
 
 def _copy_rows(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
