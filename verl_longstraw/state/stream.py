@@ -147,6 +147,7 @@ class StreamedPath(Sequence):
         self.copies: dict[int, _Copies] = {}
         self.storages: dict[int, tuple[int, int]] = {}  # data_ptr of a copy's storage -> (layer, j)
         self.anchor: torch.Tensor | None = None
+        self.last_read: int | None = None  # the position in ``streamed`` of the layer ``__getitem__`` gave last
         if any(isinstance(t, HostRows) and t.hand_grad is not None for layer in layers for t in layer):
             self.anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -154,10 +155,15 @@ class StreamedPath(Sequence):
         return len(self.layers)
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``idx``'s state on the device, the next streamed layer's copy issued (forward order)."""
+        """Layer ``idx``'s state on the device, the next streamed layer's copy issued in the order the layers are
+        read: up in a forward; down when the read is of the streamed layer just below the last one read (a
+        checkpointed layer's recompute in the backward, which reads the layers from the top down)."""
         if idx not in self.streamed:
             return self.layers[idx]
-        copies = self._take(idx, forward=True)
+        position = self.streamed.index(idx)
+        going_down = self.last_read is not None and position == self.last_read - 1
+        self.last_read = position
+        copies = self._take(idx, forward=not going_down)
         out = []
         for value, copy in zip(self.layers[idx], copies, strict=True):
             if not isinstance(value, HostRows):
