@@ -35,6 +35,10 @@ declare -A RUNS=(
     # responses), exact with the sums on the host: what breaks only at millions of positions (int32 indexing,
     # 2^31-element tensors, chunk counts) shows in these layers' ops
     [qwen35_27b_4layers_8m_exact]="--model Qwen3.5-27B --layers 4 --prompt-len 8380416 --chunk-size 65536 --cp-size 8 --checkpointed --state-grad-on-host"
+    # state_on_host (issue 42): the recipes as they ship (FSDP2 + AdamW), the rows in (fake) pinned host memory;
+    # 2.1M on 4 ranks of 96 GB, and the 8M recipe's first 4 layers on 8 (its 64 layers: hours on a 2-core CPU)
+    [qwen35_27b_2m_4gpu_host]="--model Qwen3.5-27B --recipe qwen35_27b_2m_4gpu_host"
+    [qwen35_27b_8m_host_4layers]="--model Qwen3.5-27B --recipe qwen35_27b_8m_host --layers 4"
     # the same layers in one process at 2^18 tokens: the chunk's layer runs 8x the tokens of a CP rank's
     [qwen35_27b_4layers_256k_one_process]="--model Qwen3.5-27B --layers 4 --prompt-len 262144 --chunk-size 65536 --checkpointed --state-grad-on-host"
 )

@@ -37,7 +37,7 @@ CLUSTER_RECIPES = {
     "qwen35_27b_1m": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),
     "qwen35_27b_4m": ("qwen35_27b_1m", 2, 17 * 2**18, 8192, 16, -1),  # the 4.46M-position stress variant
     # the prompt state in host memory (state_on_host): 8M positions on one node, 2.1M on four GPUs
-    "qwen35_27b_8m_host": ("qwen35_27b_1m", 1, 2**23, 8192, 8, -1),
+    "qwen35_27b_8m_host": ("qwen35_27b_1m", 1, 127 * 2**16, 8192, 8, -1),
     "qwen35_27b_2m_4gpu_host": ("qwen35_27b_1m", 1, 2**21, 8192, 4, -1),
     "glm5_mla_multinode": ("glm5_mla_multinode", 4, 2**21, 8192, 8, 8),
     "qwen35_27b_1m_lora": ("qwen35_27b_1m", 1, 2**21, 8192, 8, -1),  # LoRA variants
@@ -263,6 +263,15 @@ def test_readme_memory_tables_match_the_estimate():
         "--model GLM-5.2 glm5_mla_multinode", "--gpu-gb 141 glm52_ep_lora", "--gpu-gb 141 qwen35_122b_ep"}
     layout = models.glm5_2().indexer_types  # GLM-5.2's table is on its layout
     assert (layout.count("full"), len(layout)) == (21, 78)
+
+
+def test_every_recipes_sequences_fit_its_models_positions():
+    """A recipe's prompt plus response fit the positions of the model its tables are on (``memory_table.MODELS``),
+    which the engine and the dry run check before a step: the 8M recipe once asked 2^23 + 8192."""
+    memory_table = _memory_table()
+    for name, (_, _, prompt, response, _, _) in CLUSTER_RECIPES.items():
+        positions = models.CONFIGS[memory_table.MODELS[name]]().max_position_embeddings
+        assert prompt + response <= positions, (name, prompt + response, positions)
 
 
 @pytest.mark.parametrize("tied", [False, True])
