@@ -39,6 +39,10 @@ declare -A RUNS=(
     # 2.1M on 4 ranks of 96 GB, and the 8M recipe's first 4 layers on 8 (its 64 layers: hours on a 2-core CPU)
     [qwen35_27b_2m_4gpu_host]="--model Qwen3.5-27B --recipe qwen35_27b_2m_4gpu_host"
     [qwen35_27b_8m_host_4layers]="--model Qwen3.5-27B --recipe qwen35_27b_8m_host --layers 4"
+    # the walks alone of the 4-rank shape's first 4 layers, the knob off and on: whether the 4-rank estimate's excess
+    # is the knob's (about a minute each)
+    [qwen35_27b_4layers_2m_4ranks]="--model Qwen3.5-27B --prompt-len 2097152 --chunk-size 65536 --cp-size 4 --checkpointed --state-grad-on-host --layers 4 --no-fsdp2"
+    [qwen35_27b_4layers_2m_4ranks_host]="--model Qwen3.5-27B --prompt-len 2097152 --chunk-size 65536 --cp-size 4 --checkpointed --state-grad-on-host --layers 4 --no-fsdp2 --state-on-host"
     # the same layers in one process at 2^18 tokens: the chunk's layer runs 8x the tokens of a CP rank's
     [qwen35_27b_4layers_256k_one_process]="--model Qwen3.5-27B --layers 4 --prompt-len 262144 --chunk-size 65536 --checkpointed --state-grad-on-host"
 )
