@@ -46,15 +46,20 @@ TARGETS = {
 }
 
 
-def lora_targets(family: str) -> str | list[str]:
-    """``TARGETS[family]``, else every Linear but those the adapter refuses (the weights its ops read rather than
-    call: ``MixerOp.weights_read``, e.g. Mamba1's ``dt_proj``), else "all-linear"."""
-    if family in TARGETS:
-        return TARGETS[family]
+def _linears(family: str) -> tuple[set[str], set[str]]:
+    """The names (last component) of ``family``'s Linear modules but the LM head, and of the weights its ops read
+    rather than call (``MixerOp.weights_read``, e.g. Mamba1's ``dt_proj``: refused for LoRA)."""
     adapter = adapter_on_meta(tiny_config(family))
-    read = {name for op in adapter.ops for name in op.weights_read}
     linear = {name.rsplit(".", 1)[-1] for name, module in adapter.model.named_modules()
               if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+    return linear, {name for op in adapter.ops for name in op.weights_read}
+
+
+def lora_targets(family: str) -> str | list[str]:
+    """``TARGETS[family]``, else every Linear but those the adapter refuses (``_linears``), else "all-linear"."""
+    if family in TARGETS:
+        return TARGETS[family]
+    linear, read = _linears(family)
     return sorted(linear - read) if linear & read else "all-linear"
 
 
@@ -148,15 +153,9 @@ def test_lora_on_the_short_conv_is_refused():
 
 
 def _linears_read_as_weights() -> list[tuple[str, str]]:
-    """(family, name) of each Linear an adapter's op reads as a weight (``MixerOp.weights_read``; jamba's Mamba1
-    multiplies by ``dt_proj``'s weight, as the model's torch path does), one family per adapter."""
-    cases = []
-    for family in REPRESENTATIVES:
-        adapter = adapter_on_meta(tiny_config(family))
-        read = {name for op in adapter.ops for name in op.weights_read}
-        cases += sorted({(family, name.rsplit(".", 1)[-1]) for name, module in adapter.model.named_modules()
-                         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in read})
-    return cases
+    """(family, name) of each Linear an adapter's op reads as a weight (``_linears``; jamba's Mamba1 multiplies by
+    ``dt_proj``'s weight, as the model's torch path does), one family per adapter."""
+    return [(family, name) for family in REPRESENTATIVES for name in sorted(set.intersection(*_linears(family)))]
 
 
 @pytest.mark.parametrize("family, name", _linears_read_as_weights())
