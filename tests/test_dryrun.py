@@ -49,7 +49,7 @@ def test_every_phase_is_measured_and_the_estimate_bounds_the_peak(measured):
     assert max(measured.phase_bytes.values()) == measured.peak_bytes
     assert measured.model_flops > 0
     predicted = dryrun.estimate(dryrun.model_config("Qwen3.5-27B", layers=4), STEP)
-    assert predicted.total_bytes >= measured.peak_bytes
+    assert measured.peak_bytes <= predicted.total_bytes <= 1.15 * measured.peak_bytes  # issue 41's bound
     assert measured.host_peak_bytes == predicted.host_bytes > 0  # the state-gradient sums and their staging buffer
 
 

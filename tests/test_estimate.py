@@ -300,6 +300,23 @@ def test_allocation_meter_counts_new_storages_until_freed():
     assert meter.current == 0
 
 
+def test_a_checkpointed_backward_holds_only_the_inputs_of_the_layers_not_yet_run():
+    """Checkpointed, a layer keeps its input until its backward has run, so at layer j's moments only the inputs of
+    layers 0..j are held: in a model of identical layers each layer's peak in a recompute (a step that does not
+    score) is one layer input above the one below it (the last layer, whose output no one reads, saves less). The
+    peak is the largest of the per-moment figures, which ``gpu_table`` pairs with FSDP2's units."""
+    layers, chunk = 5, 512
+    config = tiny_config("qwen3", num_hidden_layers=layers, layer_types=["full_attention"] * layers)
+    e = estimate_memory(config, 4 * chunk + 1, 4, RESPONSE_LEN, chunk, "exact", torch.float32, checkpointed=True)
+    recompute = e.unscored_layer_peak_bytes
+    layer_input = chunk * config.hidden_size * 4
+    steps = [above - below for below, above in zip(recompute[:-2], recompute[1:-1], strict=True)]
+    assert steps == [layer_input] * (layers - 2)
+    assert recompute[-1] < recompute[-2]
+    assert len(e.layer_peak_bytes) == layers
+    assert e.backward_bytes == max(*e.layer_peak_bytes, *recompute, e.ends_peak_bytes)
+
+
 @pytest.mark.parametrize("cp_size", [1, 4])
 def test_estimate_counts_the_fused_attention_backward(cp_size):
     """The transient of one attention layer's fused backward comes from the op modules' own cost functions, for the

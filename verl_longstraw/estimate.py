@@ -28,7 +28,7 @@ process):
   accumulators on CUDA, its float32 query gradient; under CP also the gathered outputs and the float32
   reduce-scatter), which ``ops.attention.fused`` and ``ops.attention.cp`` count for the device kind
   ``device_type`` (``fused_backward_transient_bytes``, ``sharded_fused_backward_transient_bytes``). The peak counts
-  each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_transient``): the scoring's
+  each transient at its moment (``backward_peak_transient_bytes``, ``_Layers.peak_moment``): the scoring's
   beside every save, a layer's feed-forward backward (``FeedForward.backward_transient_bytes``) beside that
   layer's saves, its mixer's beside its saves less its feed-forward half's; checkpointed, beside that one layer's
   saves only.
@@ -37,10 +37,14 @@ process):
   half, ``FeedForward.forward_live_bytes``), beside
   the state stored before it (none before the first capture's write).
 ``total_bytes`` is what the rank's device holds at the peak, the larger of the backward steps' peak
-(``backward_bytes``) and the captures'; the backward peak is the step whose saves (less ``saved_state_bytes``: the
-prompt state's own buffers, which the attention saves as views and ``state_bytes`` already counts) and the state
-gradients held then are the most: every sum after the walk's first backward, during it those that exist
-(``PathState`` makes each on its layer's first gradient). ``host_bytes`` is what it keeps on the host.
+(``backward_bytes``) and the captures'. The backward peak is the largest moment of any backward step: its scoring, or
+one layer's feed-forward or mixer backward, each with the saves held then (less ``saved_state_bytes``: the prompt
+state's own buffers, which the attention saves as views and ``state_bytes`` already counts; the layers above have
+freed theirs, checkpointed also their inputs), its transient and the state gradients on the device then (every sum
+after the walk's first backward, during it those that exist, as ``PathState`` makes each on its layer's first
+gradient; the leaf gradient of the layer handing it over; one in flight to the host). Each layer's largest moment
+(``layer_peak_bytes``, ``unscored_layer_peak_bytes``) and the scoring's (``ends_peak_bytes``) are kept, for
+``gpu_table`` to pair each with the FSDP2 units held then. ``host_bytes`` is what it keeps on the host.
 
 The estimate is composition only: the sum over the plan's steps (``Plan.steps``) and the model's layers of what each
 layer's mixer op reports for that step's call (``mixers.MixerOp.saves``, ``transient_bytes``, ``score_block_bytes``
@@ -64,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -71,7 +76,7 @@ from .adapters import Adapter, adapter_on_meta
 from .feed_forward import NORM, largest_exchange
 from .knobs import REPLAY_TOKENS, Knobs
 from .mixers import LayerCall, Saves, layer_calls, layer_needs_output
-from .mixers.base import upcast_row_bytes
+from .mixers.base import saved_row_bytes, upcast_row_bytes
 from .plan import ModelCall, Plan, Recompute, Replay, star_plan
 from .score import SCORE_CHUNK_BYTES, head_gradient_bytes
 from .state.store import staging_nbytes
@@ -130,7 +135,7 @@ class MemoryEstimate:
     # peak is the walk's first backward, before whose end not every sum exists (``PathState`` makes each on its first
     # gradient)
     backward_peak_transient_bytes: int | None = None  # the transient of the backward moment at the peak
-    # (``_Layers.peak_transient``: the scoring's or one layer's; None: ``transient_bytes``)
+    # (``_Layers.peak_moment``: the scoring's or one layer's; None: ``transient_bytes``)
     backward_peak_saved_bytes: int | None = None  # the saved bytes of the backward step at the peak (None:
     # ``saved_peak_bytes``)
     capture_peak_bytes: int = 0  # device bytes at the largest moment of a no-grad capture: the state stored before
@@ -141,6 +146,11 @@ class MemoryEstimate:
     streamed_total_bytes: int = 0  # ``total_bytes`` of the same walk with ``state_on_host`` (its own with the knob)
     streamed_host_state_bytes: int = 0  # ``host_state_bytes`` of the same walk with ``state_on_host`` (its own with
     # the knob): what the knob keeps, or would keep, in host memory
+    layer_peak_bytes: tuple[int, ...] = ()  # per decoder layer: device bytes at the largest moment inside it of a
+    # backward step that scores (the state, the gradients, the saves and the transient held then): what ``gpu_table``
+    # pairs with the FSDP2 units held at that layer (``model_terms.unsharded_moments``); () without a backward step
+    unscored_layer_peak_bytes: tuple[int, ...] = ()  # the same of the backward steps that do not score (a recompute)
+    ends_peak_bytes: int = 0  # the same at a backward step's scoring or between two steps (the input embedding's)
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -189,6 +199,30 @@ class MemoryEstimate:
         streamed state rows (``state_on_host``)."""
         grads = self.state_grad_bytes + self.staging_bytes if self.state_grad_on_host else 0
         return grads + self.host_state_bytes
+
+
+class MomentGrads(NamedTuple):
+    """The state-gradient bytes on the device at each moment of one backward step (``_Layers.peak_moment``): while
+    it scores, while layer j's feed-forward half backpropagates (``feed_forward[j]``) and while its mixer does and
+    hands its state its gradient (``mixer[j]``)."""
+
+    scoring: int
+    feed_forward: list[int]
+    mixer: list[int]
+
+
+class Moment(NamedTuple):
+    """One moment of a backward step against the step's saved figure (``_Layers.saved``): the saves freed or not
+    yet made by then (``freed``), the transient beside them and the state gradients on the device (bytes)."""
+
+    freed: int
+    transient: int
+    grads: int
+
+    @property
+    def extra(self) -> int:
+        """What the moment holds beyond the step's saved figure (negative: less)."""
+        return self.transient + self.grads - self.freed
 
 
 class _Layers:
@@ -246,36 +280,47 @@ class _Layers:
         per_layer = [s.own + s.gathered + s.shared - s.state_views for s in saves]
         if checkpointed:
             largest = max(saves, key=lambda s: (s.own + s.gathered + s.shared - s.state_views, s.gathered))
-            inputs = sum(call.batch * call.tokens for call in calls) * self.hidden * self.act
+            inputs = sum(self.checkpoint_inputs(calls))
             return (inputs + largest.own + largest.gathered + largest.shared, largest.gathered, largest.state_views,
                     per_layer)
         gathered = sum(s.gathered for s in saves)
         total = sum(s.own for s in saves) + gathered + sum({s.shared for s in saves if s.shared})
         return total, gathered, sum(s.state_views for s in saves), per_layer
 
+    def checkpoint_inputs(self, calls: Sequence[LayerCall]) -> list[int]:
+        """Each layer's input hidden state in ``calls`` ([tokens, hidden], model dtype): what a checkpointed layer
+        keeps from its forward until its backward has run."""
+        return [call.batch * call.tokens * self.hidden * self.act for call in calls]
+
     def transient(self, calls: Sequence[LayerCall]) -> int:
         """The largest backward transient of any layer's op in the step (``MixerOp.transient_bytes``)."""
         return max((op.transient_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
-    def peak_transient(self, calls: Sequence[LayerCall], held: Sequence[int], checkpointed: bool, score: int) -> int:
-        """What the step's largest moment holds beyond its saved figure (``saved``), never negative. The backward
-        runs the scoring first (its transient ``score`` beside every save), then the layers from the last: layer
-        j's feed-forward half (its backward, ``FeedForward.backward_transient_bytes``, beside all of layer j's
-        saves), then its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's saves less its
-        feed-forward half's, ``feed_forward_saves``). Layers above j have freed their saves by then; checkpointed, no
-        layer but j holds saves (the saved figure counts the largest layer's). ``held``: each layer's saves less its
-        state views (``saved``'s per-layer figures)."""
+    def moments(self, calls: Sequence[LayerCall], held: Sequence[int], checkpointed: bool, score: int,
+                grads: MomentGrads) -> tuple[Moment, list[Moment]]:
+        """The step's scoring moment and each layer's largest moment, against the step's saved figure (``saved``).
+        The backward runs the scoring first (its transient ``score`` beside every save), then the layers from the
+        last: layer j's feed-forward half (its backward, ``FeedForward.backward_transient_bytes``, beside all of
+        layer j's saves), then its mixer (``MixerOp.transient_bytes`` or ``score_block_bytes``, beside layer j's
+        saves less its feed-forward half's, ``feed_forward_saves``). Layers above j have freed their saves by then;
+        checkpointed, no layer but j holds saves (the saved figure counts the largest layer's) and the layers above
+        j have freed their inputs (``checkpoint_inputs``). ``held``: each layer's saves less its state views
+        (``saved``'s per-layer figures); ``grads``: the state gradients on the device at each of those moments."""
         base = max(held) if checkpointed else sum(held)
-        largest = score - (max(held) if checkpointed else 0)
-        below = 0
+        scoring = Moment(max(held) if checkpointed else 0, score, grads.scoring)
+        inputs = self.checkpoint_inputs(calls) if checkpointed else [0] * len(calls)
+        layers = []
         for idx, (op, feed_forward, call) in enumerate(zip(self.ops, self.feed_forwards, calls, strict=True)):
-            below += 0 if checkpointed else (held[idx - 1] if idx else 0)
+            # the saves held at layer j's moments besides its own (none checkpointed), less the inputs freed
+            below = sum(held[:idx]) * (not checkpointed) - sum(inputs[idx + 1:])
             ff_backward = int(call.need_output) * feed_forward.backward_transient_bytes(call.batch * call.tokens,
                                                                                          self.dtype)
             mixer = max(op.transient_bytes(call), op.score_block_bytes(call))
-            moment = below + max(held[idx] + ff_backward, held[idx] - self.feed_forward_saves(idx, call) + mixer)
-            largest = max(largest, moment - base)
-        return max(0, largest)
+            ff_held = below + held[idx]
+            layers.append(max(Moment(base - ff_held, ff_backward, grads.feed_forward[idx]),
+                              Moment(base - ff_held + self.feed_forward_saves(idx, call), mixer, grads.mixer[idx]),
+                              key=lambda moment: moment.extra))
+        return scoring, layers
 
     def score_block(self, calls: Sequence[LayerCall]) -> int:
         """The largest score block of any layer's op in the step (``MixerOp.score_block_bytes``)."""
@@ -427,44 +472,59 @@ class _BackwardPeak:
     transient per token a layer call runs."""
 
     def __init__(self, layers: _Layers, checkpointed: bool, layer_sums: Sequence[int], layer_leaf_grads: Sequence[int],
-                 leaf_grad: int, in_flight: int, exchange_per_token: int):
+                 in_flight: int, exchange_per_token: int):
         self.layers, self.checkpointed = layers, checkpointed
         self.layer_sums, self.layer_leaf_grads, self.in_flight = layer_sums, layer_leaf_grads, in_flight
         self.exchange_per_token = exchange_per_token
-        self.all_grads = sum(layer_sums) + leaf_grad + in_flight  # held at a backward after the walk's first
-        self.any_grads = any(layer_sums) or bool(leaf_grad)
         self.moment = self.saved = self.views = self.grads = self.transient = None
+        # per layer, of the steps that do not score and of those that do: the most bytes besides the state at its
+        # moments
+        self.layer_moments = ([0] * len(layer_sums), [0] * len(layer_sums))
+        self.ends_moment = 0  # the same at a scoring moment or between two steps (the input embedding's backward)
         self.seen = False  # a backward step has run
 
-    def first_backward_grads(self, layer_saved: Sequence[int]) -> int:
-        """The state-gradient bytes at the largest moment of the walk's first backward step: ``PathState`` makes
-        each sum on its layer's first gradient, so while layer j's backward hands its state the gradient
-        (``PathState._hand_grad``), the sums of layers j and above exist and the saves of the layers above have been
-        freed (``layer_saved``: each layer's saves, less the state buffers among them); the largest over j."""
-        if not self.any_grads:
-            return 0
-        largest, sums_above, freed_above = 0, 0, 0
-        for j in reversed(range(len(self.layer_sums))):
-            sums_above += self.layer_sums[j]
-            largest = max(largest, sums_above + self.layer_leaf_grads[j] + self.in_flight - freed_above)
-            freed_above += layer_saved[j]
-        return largest
+    def moment_grads(self) -> MomentGrads:
+        """The state gradients on the device at each moment of the next backward step. A layer's leaf gradient
+        exists while its mixer backpropagates and hands it over (``PathState.leaves`` adds it into the sum and lets it
+        go), the copy of the last one handed may be in flight (``in_flight``) from then on. After the walk's first
+        backward every sum exists; during it, those of the layers whose backward has run (``PathState`` makes each on
+        its layer's first gradient), the one of the layer handing its gradient included."""
+        count, flight = len(self.layer_sums), self.in_flight
+        if self.seen:
+            sums = sum(self.layer_sums)
+            return MomentGrads(sums + flight, [sums + flight] * count,
+                               [sums + leaf + flight for leaf in self.layer_leaf_grads])
+        feed_forward, mixer, above, handed = [0] * count, [0] * count, 0, False
+        for j in reversed(range(count)):
+            feed_forward[j] = above + (flight if handed else 0)
+            handed = handed or self.layer_leaf_grads[j] > 0
+            mixer[j] = above + self.layer_sums[j] + self.layer_leaf_grads[j] + (flight if handed else 0)
+            above += self.layer_sums[j]
+        return MomentGrads(0, feed_forward, mixer)
 
-    def add(self, calls: Sequence[LayerCall], extra: int, score: int, tokens: int) -> tuple[int, int]:
+    def add(self, calls: Sequence[LayerCall], extra: int, score: int, tokens: int, scores: bool) -> tuple[int, int]:
         """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves; ``score``: its
         scoring's transient; ``tokens``: what one layer call runs on this rank, whose MoE token exchange under
-        expert parallelism is a transient of any layer's moment) toward the peak; returns its (saved bytes, of which
-        pass-Q)."""
+        expert parallelism is a transient of any layer's moment; ``scores``: it scores tokens, so the lm_head
+        backpropagates before its layers) toward the peak; returns its (saved bytes, of which pass-Q)."""
         saved, pass_q, views, per_layer = self.layers.saved(calls, self.checkpointed)
         saved += extra
-        # checkpointed: the saved figure is the layer inputs plus one layer's saves; every gradient counted
-        grads = self.all_grads if self.seen or self.checkpointed else self.first_backward_grads(per_layer)
-        all_to_all = tokens * self.exchange_per_token
-        transient = max(self.layers.peak_transient(calls, per_layer, self.checkpointed, score), all_to_all)
-        moment = saved - views + grads + transient
-        if self.moment is None or moment > self.moment:
-            self.moment, self.saved, self.views, self.grads, self.transient = moment, saved, views, grads, transient
+        scoring, layers = self.layers.moments(calls, per_layer, self.checkpointed, score, self.moment_grads())
+        exchange = tokens * self.exchange_per_token  # an MoE layer's token exchange, at any layer's moment
+
+        def held(moment: Moment, transient: int) -> int:
+            return saved - moment.freed - views + moment.grads + transient
+
+        layer_moments = self.layer_moments[scores]
+        for idx, moment in enumerate(layers):
+            layer_moments[idx] = max(layer_moments[idx], held(moment, max(moment.transient, exchange)))
         self.seen = True
+        self.ends_moment = max(self.ends_moment, held(scoring, scoring.transient), self.moment_grads().scoring)
+        peak = max([scoring, *layers], key=lambda moment: moment.extra)
+        transient = max(peak.transient, exchange)
+        if self.moment is None or held(peak, transient) > self.moment:
+            self.moment, self.saved, self.views = held(peak, transient), saved - peak.freed, views
+            self.grads, self.transient = peak.grads, transient
         return saved, pass_q
 
 
@@ -502,9 +562,10 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
                                                        for s in layer if s.differentiable) for layer in specs]
         layer_leaf_grads = [sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs]
     in_flight = staging if state_grad_on_host else 0
-    peak = _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads, leaf_grad, in_flight,
-                         exchange_per_token)
-    hidden_bytes = config.hidden_size * layers.act  # per token: the final hidden states ``score`` saves
+    peak = _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads, in_flight, exchange_per_token)
+    # per token a scored step saves the final norm's output, which ``score`` saves, and the norm's own saves
+    final_norm = getattr(adapter.backbone, adapter.final_norm)
+    hidden_bytes = config.hidden_size * layers.act + saved_row_bytes(final_norm, config.hidden_size, dtype)
     head = adapter.lm_head.weight  # its gradient's float32 sum exists while a backward scores (a trained head)
     head_gradient = head_gradient_bytes(head.shape[0], head.shape[1], dtype) if head.requires_grad else 0
     # per backward step type: the largest saved bytes (of which pass-Q) and backward transient of its steps
@@ -531,7 +592,8 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
             own_state = 0
             if checkpointed and step.keeps_own_state:
                 own_state = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
-            saved, pass_q = peak.add(calls, (tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens)
+            saved, pass_q = peak.add(calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens,
+                                     scores)
             if saved > saved_most[type(step)][0]:
                 saved_most[type(step)] = (saved, pass_q)
             transient_most[type(step)] = max(transient_most[type(step)], layers.transient(calls))
@@ -572,6 +634,9 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         state_on_host=state_on_host,
         host_state_bytes=host_state,
         streamed_host_state_bytes=streamed_host_state,
+        layer_peak_bytes=tuple(state + moment for moment in peak.layer_moments[True]) if peak.seen else (),
+        unscored_layer_peak_bytes=tuple(state + moment for moment in peak.layer_moments[False]) if peak.seen else (),
+        ends_peak_bytes=state + peak.ends_moment if peak.seen else 0,
     )
     # the state is the same at every backward step, so the streamed walk's backward peak is this one's with its
     # state in place of this one's

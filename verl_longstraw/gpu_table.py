@@ -4,9 +4,10 @@ veRL's FSDP2 (and expert parallelism) beside the walk estimate's group terms.
 ``gpu_table`` sums ``model_terms`` (parameter and gradient shards, AdamW moments, the unsharded units, the routed
 experts' resident shards) and ``estimate.estimate_memory`` (the prompt state, its gradient sums, the saves and
 transients of the peak's step) into ``GpuTable``: labelled rows of (item, device bytes, host bytes), the device
-peak, the host bytes, the engine pre-flight's figure and the device bytes at AdamW's step. The dry run
-(``verl_longstraw.dryrun``) compares its measured FSDP2 step with ``peak`` and ``optimizer_step``; the cluster
-recipes' tables (``recipes/clusters/memory_table.py``) render the rows as markdown.
+peak (the moment whose walk bytes and FSDP2 unsharded units are the most together: a decoder layer's backward, a
+scoring, a no-grad capture; ``model_terms.unsharded_moments``), the host bytes, the engine pre-flight's figure and the
+device bytes at AdamW's step. The dry run (``verl_longstraw.dryrun``) compares its measured FSDP2 step with ``peak``
+and ``optimizer_step``; the cluster recipes' tables (``recipes/clusters/memory_table.py``) render the rows as markdown.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .adapters import Adapter, adapter_on_meta
-from .estimate import GIB, estimate_memory
+from .estimate import GIB, MemoryEstimate, estimate_memory
 from .model_terms import (
     VERL_DTYPE_NAMES,
     ExpertShardBytes,
     ParameterCounts,
     Training,
+    UnshardedMoments,
     expert_shard_bytes,
     parameter_counts,
     unsharded_bytes,
+    unsharded_moments,
 )
 from .plan import chain_bounds
 
@@ -45,6 +48,7 @@ class GpuTable:
     gpus_per_node: int
     optimizer_step: int = 0
     state_host: int = 0  # of ``host``: the prompt state's rows that ``state_on_host`` keeps there
+    walk_at_peak: int = 0  # of ``peak``: the walk's bytes at the peak's moment (``MemoryEstimate.layer_peak_bytes``)
 
 
 def gpu_table(
@@ -83,6 +87,8 @@ def gpu_table(
                         replay_tokens=run.replay_tokens, expert_parallel=ep,
                         response_chunk_size=run.response_chunk_size, state_on_host=run.state_on_host)
     preflight = e.total_bytes + unsharded + grads + experts.gradients  # the engine's pre-flight figure
+    moment, walk, (unsharded, grads) = _peak_moment(e, unsharded_moments(
+        n, config.num_hidden_layers, r, run.param_dtype, run.reduce_dtype, expert_parallel=ep))
 
     def where(on_host: bool, nbytes: int) -> tuple[int, int]:
         return (0, nbytes) if on_host else (nbytes, 0)
@@ -95,6 +101,8 @@ def gpu_table(
         replayed = (f"the last {segments[-1][1] - segments[-1][0]} tokens of a {run.response_len}-token response "
                     f"(response_chunk_size {run.response_chunk_size})")
     mode = "checkpointed" if run.checkpointing else "no checkpointing"
+    held = e.backward_peak_saved_bytes
+    marker = (" <- peak" + (f", of which held at the walk's peak moment {held / GIB:.2f}" if held is not None else ""))
     sharded = "N_FSDP" if ep else "N"
     if lora:
         training_rows = (
@@ -133,11 +141,11 @@ def gpu_table(
         (f"{dtype} parameter shards: {width} B x {sharded} / R ({parameters})", *where(run.offload_policy, shard)),
         *training_rows,
         *expert_rows,
-        (f"unsharded parameters: two consecutive FSDP units{' less their routed experts' if ep else ''} "
-         f"({pair / 1e9:.2f}e9 parameters) in {str(run.param_dtype)[6:]}", unsharded, 0),
-        (f"unsharded gradients ({str(run.param_dtype)[6:]}) of the largest unit"
-         f"{' less its routed experts' if ep else ''} and their {str(run.reduce_dtype)[6:]} reduce-scatter input",
-         grads, 0),
+        (f"unsharded parameters at the peak's moment ({moment}): at most two consecutive FSDP units"
+         f"{' less their routed experts' if ep else ''} (the largest pair: {pair / 1e9:.2f}e9 parameters) in "
+         f"{str(run.param_dtype)[6:]}", unsharded, 0),
+        (f"unsharded gradients ({str(run.param_dtype)[6:]}) at that moment{' less routed experts' if ep else ''} and "
+         f"the {str(run.reduce_dtype)[6:]} reduce-scatter inputs FSDP2 holds then", grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
          f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})" + (
              "; state_on_host: the rows pinned on the host, two layers' rows and the fixed-size states on the device"
@@ -154,15 +162,30 @@ def gpu_table(
              f"; an MoE layer's all-to-all of {e.layer_call_tokens} tokens, send and receive: "
              f"{e.all_to_all_bytes / GIB:.2f}" if ep else "") + ")", e.backward_peak_transient_bytes or 0, 0),
         (f"saved for backward, replay of {replayed} ({mode}; pass-Q "
-         f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (" <- peak" if replay_peak else ""),
+         f"{e.pass_q_bytes / GIB if replay_peak else 0:.2f})" + (marker if replay_peak else ""),
          e.replay_saved_bytes, 0),
         (f"saved for backward, recompute of one {run.chunk_size}-token prompt chunk ({mode}; pass-Q "
-         f"{0 if replay_peak else e.pass_q_bytes / GIB:.2f})" + ("" if replay_peak else " <- peak"),
+         f"{0 if replay_peak else e.pass_q_bytes / GIB:.2f})" + ("" if replay_peak else marker),
          e.prompt_backward_saved_bytes, 0),
     )
     group_rows = 6  # the state ... recompute rows: the estimate's terms, whose peak is ``e.total_bytes``
-    peak = sum(device for _, device, _ in rows[:-group_rows]) + e.total_bytes
+    peak = sum(device for _, device, _ in rows[:-group_rows]) + walk
     host = sum(h for _, _, h in rows)
     fsdp_step = 0 if run.offload_policy else shard + 4 * trained_shard  # gradients, two moments, a temporary
     optimizer_step = fsdp_step + experts.parameters + 4 * experts.gradients + n.buffer_bytes
-    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step, e.host_state_bytes)
+    return GpuTable(rows, peak, host, preflight, gpu_bytes, gpus_per_node, optimizer_step, e.host_state_bytes, walk)
+
+
+def _peak_moment(e: MemoryEstimate, fsdp: UnshardedMoments) -> tuple[str, int, tuple[int, int]]:
+    """The step's peak moment: the one whose walk bytes (``e``'s per-moment figures) and FSDP2's unsharded
+    (parameters, gradients) then (``fsdp``) are the most together; returns its name, the walk's bytes and FSDP2's."""
+    moments = [(f"decoder layer {j}'s backward{kind}", walk, held)
+               for kind, walks, helds in ((" after a scoring", e.layer_peak_bytes, fsdp.layers),
+                                          ("", e.unscored_layer_peak_bytes, fsdp.unscored_layers))
+               for j, (walk, held) in enumerate(zip(walks, helds, strict=True))]
+    if moments:
+        moments += [("a backward step's scoring or embedding", e.ends_peak_bytes, fsdp.ends),
+                    ("a no-grad capture", e.capture_peak_bytes, fsdp.forward)]
+    else:  # a walk without a backward step: its total beside the most FSDP2 holds
+        moments = [("the walk's peak", e.total_bytes, fsdp.ends)]
+    return max(moments, key=lambda moment: moment[1] + sum(moment[2]))

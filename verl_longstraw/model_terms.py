@@ -6,6 +6,7 @@ shards) costs one rank of a context-parallel (CP) group of R ranks, besides the 
   (``ParameterCounts``: per unit, those of its routed experts, those that train under LoRA, each parameter's dim 0
   for FSDP2's per-parameter split, the buffers' bytes), read off a model built on the meta device or a live one;
 - ``unsharded_bytes``: the parameter and gradient bytes FSDP2 holds unsharded at once during a step;
+  ``unsharded_moments``: the same moment by moment (each decoder layer's backward, the ends, a no-grad forward);
 - ``expert_shard_bytes``: the routed-expert shards a rank keeps resident under expert parallelism (parameters,
   gradients, AdamW moments; ``ExpertShardBytes``; one MoE-layer call's token exchange is its feed-forward op's,
   ``feed_forward.Moe.exchange``);
@@ -160,6 +161,63 @@ def unsharded_bytes(
         return held(params) * param_dtype.itemsize, trains.total * (param_dtype.itemsize + reduce_copy)
     units = [u - e for u, e in zip(trains.units, trains.experts, strict=True)] if expert_parallel else trains.units
     return held(params) * param_dtype.itemsize, _gradient_peak(units, param_dtype.itemsize, reduce_dtype.itemsize)
+
+
+class UnshardedMoments(NamedTuple):
+    """The parameter and gradient bytes FSDP2 holds unsharded at each kind of moment of a step (``unsharded_moments``):
+    while decoder layer j backpropagates in a backward that scored (``layers[j]``) or did not (``unscored_layers[j]``:
+    no lm_head gradient), at the ends (the lm_head scoring or the input embedding's backward: ``ends``) and in a
+    no-grad forward (``forward``, parameters only)."""
+
+    layers: tuple[tuple[int, int], ...]  # (parameter bytes, gradient bytes) at each decoder layer's backward
+    unscored_layers: tuple[tuple[int, int], ...]
+    ends: tuple[int, int]
+    forward: tuple[int, int]
+
+
+def unsharded_moments(
+    params: ParameterCounts,
+    layers: int,
+    cp_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    expert_parallel: bool = False,
+) -> UnshardedMoments:
+    """``unsharded_bytes`` moment by moment, for a model of ``layers`` decoder layers, so that a step's peak pairs each
+    moment of the walk with what FSDP2 holds then. With ``cp_size`` > 1, while decoder layer j backpropagates FSDP2
+    holds its unit and the one it prefetches (the unit before j: layer j - 1, or the input embedding's), layer j's
+    unsharded gradient and, until its post-backward, the reduce-scatter input it kept of the unit after j (after the
+    last layer the lm_head's, in a backward that scored), then layer j's own (``_gradient_peak``'s moments); at the
+    ends the largest pair and the largest unit's gradients (``unsharded_bytes``); in a no-grad forward the largest
+    pair's parameters. With ``cp_size`` 1 the engine holds every unit unsharded: ``unsharded_bytes`` at every
+    moment."""
+    held, grads = unsharded_bytes(params, cp_size, param_dtype, reduce_dtype, training=True,
+                                  expert_parallel=expert_parallel)
+    if cp_size < 2:
+        return UnshardedMoments(((held, grads),) * layers, ((held, grads),) * layers, (held, grads), (held, 0))
+    trains = params.trainable
+
+    def fsdp(counts: ParameterCounts) -> list[int]:  # each unit's parameters FSDP2 shards
+        if not expert_parallel:
+            return list(counts.units)
+        return [unit - experts for unit, experts in zip(counts.units, counts.experts, strict=True)]
+
+    units, trained = fsdp(params), fsdp(trains)
+    ends = len(units) == layers + 2  # the input embedding and the lm_head are units of their own (untied)
+    if not ends and len(units) != layers:
+        raise ValueError(f"{len(units)} FSDP2 units for {layers} decoder layers: expected the layers, or the layers "
+                         "with the input embedding and the lm_head")
+    if not ends:  # no units before the first layer or after the last
+        units, trained = [0, *units, 0], [0, *trained, 0]
+    width, reduce_width = param_dtype.itemsize, reduce_dtype.itemsize
+
+    def per_layer(after: Sequence[int]) -> tuple[tuple[int, int], ...]:  # ``after``: each unit's successor's trained
+        return tuple(((units[k] + units[k - 1]) * width,
+                      max(width * trained[k] + reduce_width * after[k], (width + reduce_width) * trained[k]))
+                     for k in range(1, layers + 1))
+
+    unscored = [*trained[1:-1], 0]  # a backward that did not score: no lm_head gradient after the last layer
+    return UnshardedMoments(per_layer(trained[1:]), per_layer(unscored), (held, grads), (held, 0))
 
 
 class ExpertShardBytes(NamedTuple):

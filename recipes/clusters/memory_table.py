@@ -143,15 +143,16 @@ def markdown(table: GpuTable) -> str:
     lines = ["| per GPU | device GiB | host GiB |", "|---|---:|---:|"]
     lines += [f"| {item} | {gib(device)} | {gib(host)} |" for item, device, host in table.rows]
     verdict = "fits" if table.peak <= table.gpu_bytes else "does NOT fit"
-    lines.append(f"| **total at the peak** (the rows above the prompt state, and the estimate's total: the state, "
-                 f"the gradients, saves less the state's views and transient of the peak's step, or a capture's "
-                 f"peak) | **{gib(table.peak)}** | **{gib(table.host)}** |")
+    lines.append(f"| **total at the peak** (the rows above the unsharded ones, FSDP2's unsharded bytes at the peak's "
+                 f"moment and the walk's then: {gib(table.walk_at_peak)} GiB of the state, gradients, saves less the "
+                 f"state's views and transient held at that moment; the rows below them are the walk's own peak) | "
+                 f"**{gib(table.peak)}** | **{gib(table.host)}** |")
     lines.append(f"| GPU memory ({table.gpu_bytes / 1e9:g} GB): {verdict}, "
                  f"{gib(abs(table.gpu_bytes - table.peak))} GiB {'left' if table.peak <= table.gpu_bytes else 'over'}"
                  f" | {gib(table.gpu_bytes)} | |")
     lines.append(f"| host memory per node ({table.gpus_per_node} ranks) | | {gib(table.host * table.gpus_per_node)} |")
-    lines.append(f"| engine pre-flight estimate: the group's rows, the unsharded units' rows and any expert-shard "
-                 f"gradients above, compared with the free device memory at the start of the step | "
+    lines.append(f"| engine pre-flight estimate: the walk's peak, the most FSDP2 holds unsharded at any moment and "
+                 f"any expert-shard gradients above, compared with the free device memory at the start of the step | "
                  f"{gib(table.preflight)} | |")
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl_longstraw.model_terms import Lora
+from verl_longstraw.model_terms import Lora, ParameterCounts, unsharded_bytes, unsharded_moments
 from verl_longstraw.parallel.fsdp2 import HELD, ShardingSettings, held_unsharded, sharding_settings, verl_wrap_targets
 from verl_longstraw.parallel.launch import free_port
 from verl_longstraw.tiny import tiny_config
@@ -109,3 +109,24 @@ def test_the_gradient_peak_is_the_largest_units_copy_in():
 
     moments = [6 * 20, 2 * 30 + 4 * 20, 6 * 30, 2 * 10 + 4 * 30, 6 * 10]
     assert _gradient_peak([10, 30, 20], 2, 4) == max(moments) == 180
+
+
+def test_the_moments_pair_each_layer_with_the_units_fsdp2_holds_then():
+    """``model_terms.unsharded_moments`` of units (embedding 50, layers 10, 30, 20, lm_head 40) over 2 ranks, bf16
+    gradients reduced in float32, counted by hand: at layer j's backward FSDP2 holds its unit and the one it prefetches
+    (the unit before; layer 0's: the embedding), and the layer's gradients beside the input kept of the unit after
+    it (after the last layer the lm_head's, only in a backward that scored) or its own copy-in; the ends and a
+    no-grad forward: ``unsharded_bytes``' largest pair and gradient peak. On one rank every unit is held at every
+    moment."""
+    counts = ParameterCounts(units=(50, 10, 30, 20, 40), root=0, experts=(0,) * 5)
+    moments = unsharded_moments(counts, 3, 2, torch.bfloat16, torch.float32)
+    assert moments.layers == ((2 * 60, max(2 * 10 + 4 * 30, 6 * 10)), (2 * 40, max(2 * 30 + 4 * 20, 6 * 30)),
+                              (2 * 50, max(2 * 20 + 4 * 40, 6 * 20)))
+    assert moments.unscored_layers == (*moments.layers[:2], (2 * 50, 6 * 20))
+    params, grads = unsharded_bytes(counts, 2, torch.bfloat16, torch.float32, training=True)
+    assert moments.ends == (params, grads) and moments.forward == (params, 0)
+    one_rank = unsharded_moments(counts, 3, 1, torch.bfloat16, torch.float32)
+    assert set(one_rank.layers) == set(one_rank.unscored_layers) == {unsharded_bytes(counts, 1, torch.bfloat16,
+                                                                                     torch.float32, training=True)}
+    with pytest.raises(ValueError, match="5 FSDP2 units for 4 decoder layers"):
+        unsharded_moments(counts, 4, 2, torch.bfloat16, torch.float32)
