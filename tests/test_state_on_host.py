@@ -254,3 +254,18 @@ def test_device_budget_names_the_knob_where_it_fits():
 def test_knob_must_be_a_bool():
     with pytest.raises(ValueError, match="state_on_host must be True or False"):
         Knobs(state_on_host=1)
+
+
+def test_a_saved_tensor_is_a_row_reference_only_when_it_views_a_row_copy_on_fake_cuda():
+    """What autograd saves in a streamed walk is packed as a reference to a layer's device copy only when it views
+    that copy's storage: told by the storage's identity, which fake CUDA tensors (the dry run's, every storage at
+    address 0) keep; by address every saved tensor of the copy's dtype was taken for a view of it, and the dry run
+    of a streamed step counted none of them."""
+    from verl_longstraw import fake_cuda
+
+    with fake_cuda.fake_cuda_runtime(), fake_cuda.FakeCuda(fake_cuda.DeviceBytes()):
+        path = stream.StreamedPath([(stream.HostRows(torch.empty(1, 2, 16, 8)),)], torch.device("cuda", 0))
+        (copy,) = path[0]
+        other = torch.empty_like(copy)
+        assert isinstance(path._pack(copy[..., :4, :]), stream._SavedRows)
+        assert isinstance(path._pack(other), torch.Tensor)

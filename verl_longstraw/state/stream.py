@@ -145,7 +145,9 @@ class StreamedPath(Sequence):
         self.device = device
         self.streamed = [idx for idx, layer in enumerate(layers) if any(isinstance(t, HostRows) for t in layer)]
         self.copies: dict[int, _Copies] = {}
-        self.storages: dict[int, tuple[int, int]] = {}  # data_ptr of a copy's storage -> (layer, j)
+        # a copy's storage by identity (id of the storage object, which the entry keeps alive: not its address, which
+        # a fake tensor's storage does not have) -> (the storage, layer, j)
+        self.storages: dict[int, tuple[torch.UntypedStorage, int, int]] = {}
         self.anchor: torch.Tensor | None = None
         self.last_read: int | None = None  # the position in ``streamed`` of the layer ``__getitem__`` gave last
         if any(isinstance(t, HostRows) and t.hand_grad is not None for layer in layers for t in layer):
@@ -211,8 +213,9 @@ class StreamedPath(Sequence):
                 key = (id(self), idx)
                 resident.copied(key)
                 weakref.finalize(copy.untyped_storage(), resident.freed, key)
-                if copy.untyped_storage().nbytes():  # an empty copy has no address of its own
-                    self.storages[copy.untyped_storage().data_ptr()] = (idx, j)
+                storage = copy.untyped_storage()
+                if storage.nbytes():  # an empty copy is no one's view
+                    self.storages[id(storage)] = (storage, idx, j)
                 tensors.append(copy)
         self.copies[idx] = _Copies(tensors, stream.record_event() if stream is not None else None)
 
@@ -220,7 +223,7 @@ class StreamedPath(Sequence):
         """Drop this path's references to layer ``idx``'s copies (freed once nothing else uses them)."""
         for t in self.copies.pop(idx).tensors:
             if t is not None:
-                self.storages.pop(t.untyped_storage().data_ptr(), None)
+                self.storages.pop(id(t.untyped_storage()), None)
 
     # -- saved for backward ----------------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedRows:
@@ -228,11 +231,13 @@ class StreamedPath(Sequence):
         (autograd saves a node's own output without its grad_fn; kept with it, the tensor and the node would hold
         each other, a cycle through C++ that Python's collector never frees)."""
         found = None
-        if tensor.device == self.device and tensor.layout == torch.strided and tensor.untyped_storage().nbytes():
-            found = self.storages.get(tensor.untyped_storage().data_ptr())
-        if found is None or self.copies[found[0]].tensors[found[1]].dtype != tensor.dtype:
+        if tensor.device == self.device and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            found = self.storages.get(id(storage))
+            found = found if found is not None and found[0] is storage else None
+        if found is None or self.copies[found[1]].tensors[found[2]].dtype != tensor.dtype:
             return tensor.detach()
-        return _SavedRows(*found, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return _SavedRows(found[1], found[2], tensor.size(), tensor.stride(), tensor.storage_offset())
 
     def _unpack(self, saved: torch.Tensor | _SavedRows) -> torch.Tensor:
         """A saved tensor for the backward: a reference's view of its layer's rows, copied to the device again if
