@@ -588,10 +588,13 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         batch_most, call_tokens = max(batch_most, batch), max(call_tokens, tokens)
         if step.differentiable:
             # a recompute's own new state rows take the state gradient, so the walk holds them through the backward
-            # (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides
+            # (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides. The gradients it
+            # hands them (exact: the sums' rows in the model dtype on the device; under CP zeros, so every rank runs
+            # one graph) are held beside them until the backward returns.
             own_state = 0
-            if checkpointed and step.keeps_own_state:
-                own_state = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
+            if step.keeps_own_state:
+                rows = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
+                own_state = rows * (int(checkpointed) + int(mode == "exact" or plan.world > 1))
             saved, pass_q = peak.add(calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens,
                                      scores)
             if saved > saved_most[type(step)][0]:
