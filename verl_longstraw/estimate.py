@@ -502,14 +502,19 @@ class _BackwardPeak:
             above += self.layer_sums[j]
         return MomentGrads(0, feed_forward, mixer)
 
-    def add(self, calls: Sequence[LayerCall], extra: int, score: int, tokens: int, scores: bool) -> tuple[int, int]:
+    def add(self, calls: Sequence[LayerCall], extra: int, score: int, tokens: int, scores: bool,
+            step_grads: int = 0) -> tuple[int, int]:
         """Counts a backward step of ``calls`` (``extra``: the final hidden states its scoring saves; ``score``: its
         scoring's transient; ``tokens``: what one layer call runs on this rank, whose MoE token exchange under
         expert parallelism is a transient of any layer's moment; ``scores``: it scores tokens, so the lm_head
-        backpropagates before its layers) toward the peak; returns its (saved bytes, of which pass-Q)."""
+        backpropagates before its layers; ``step_grads``: gradients the step hands its outputs, held at every moment
+        of its backward) toward the peak; returns its (saved bytes, of which pass-Q)."""
         saved, pass_q, views, per_layer = self.layers.saved(calls, self.checkpointed)
         saved += extra
-        scoring, layers = self.layers.moments(calls, per_layer, self.checkpointed, score, self.moment_grads())
+        held_grads = self.moment_grads()
+        held_grads = MomentGrads(held_grads.scoring + step_grads, [g + step_grads for g in held_grads.feed_forward],
+                                 [g + step_grads for g in held_grads.mixer])
+        scoring, layers = self.layers.moments(calls, per_layer, self.checkpointed, score, held_grads)
         exchange = tokens * self.exchange_per_token  # an MoE layer's token exchange, at any layer's moment
 
         def held(moment: Moment, transient: int) -> int:
@@ -591,12 +596,12 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
             # (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides. The gradients it
             # hands them (exact: the sums' rows in the model dtype on the device; under CP zeros, so every rank runs
             # one graph) are held beside them until the backward returns.
-            own_state = 0
+            own_state = own_grads = 0
             if step.keeps_own_state:
                 rows = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
-                own_state = rows * (int(checkpointed) + int(mode == "exact" or plan.world > 1))
+                own_state, own_grads = rows * checkpointed, rows * (mode == "exact" or plan.world > 1)
             saved, pass_q = peak.add(calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens,
-                                     scores)
+                                     scores, own_grads)
             if saved > saved_most[type(step)][0]:
                 saved_most[type(step)] = (saved, pass_q)
             transient_most[type(step)] = max(transient_most[type(step)], layers.transient(calls))
