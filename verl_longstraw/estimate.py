@@ -594,12 +594,14 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         if step.differentiable:
             # a recompute's own new state rows take the state gradient, so the walk holds them through the backward
             # (``execute._Walk._recompute``); checkpointed, no layer's saves hold them besides. The gradients it
-            # hands them (exact: the sums' rows in the model dtype on the device; under CP zeros, so every rank runs
-            # one graph) are held beside them until the backward returns.
+            # hands them (exact: the sums' rows in the model dtype on the device; detached under CP zeros, so every
+            # rank runs one graph) are held beside them until the backward returns.
             own_state = own_grads = 0
             if step.keeps_own_state:
                 rows = sum(s.nbytes(tokens, dtype) for layer in specs for s in layer)
-                own_state, own_grads = rows * checkpointed, rows * (mode == "exact" or plan.world > 1)
+                # exact: the float32 sums' rows, a copy where they are on the host or of another dtype (else views)
+                copied = mode == "exact" and (state_grad_on_host or torch.promote_types(dtype, torch.float32) != dtype)
+                own_state, own_grads = rows * checkpointed, rows * (copied or (mode != "exact" and plan.world > 1))
             saved, pass_q = peak.add(calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens,
                                      scores, own_grads)
             if saved > saved_most[type(step)][0]:
