@@ -423,12 +423,10 @@ def estimate_memory(
 
 def _streamed_state(specs: list[tuple], rows: int, segments: int, dtype: torch.dtype) -> tuple[int, int]:
     """(device, host) bytes of a path's state of ``rows`` rows and ``segments`` held segments with ``state_on_host``:
-    the kinds that ``stream`` in host memory, on the device their two largest layers (``state.stream``: the layer
-    running and the next one's copy) and the other kinds."""
-    streamed = sorted((sum(s.path_nbytes(rows, segments, dtype) for s in layer if s.streams) for layer in specs),
-                      reverse=True)
-    kept = sum(s.path_nbytes(rows, segments, dtype) for layer in specs for s in layer if not s.streams)
-    return kept + sum(streamed[:2]), sum(streamed)
+    all of it in host memory; on the device the state a segment reads of the two largest layers (``state.stream``:
+    the layer running and the next one's copy; the rows and one segment's fixed-size values)."""
+    read = sorted((sum(s.path_nbytes(rows, 1, dtype) for s in layer) for layer in specs), reverse=True)
+    return sum(read[:2]), sum(s.path_nbytes(rows, segments, dtype) for layer in specs for s in layer)
 
 
 def estimate_plan(

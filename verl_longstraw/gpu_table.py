@@ -148,7 +148,7 @@ def gpu_table(
          f"the {str(run.reduce_dtype)[6:]} reduce-scatter inputs FSDP2 holds then", grads, 0),
         (f"prompt state: rank 0's rows of the {run.prompt_len}-token prompt + fixed-size states (of which "
          f"chunk-boundary copies {e.boundary_bytes / GIB:.2f})" + (
-             "; state_on_host: the rows pinned on the host, two layers' rows and the fixed-size states on the device"
+             "; state_on_host: all of it pinned on the host, two layers' state on the device"
              if run.state_on_host else ""), e.state_bytes, e.host_state_bytes),
         ("float32 state-gradient sums" + (" (state_grad_on_host: pinned, with a staging buffer of the largest state "
                                           "tensor)" if run.state_grad_on_host else ""),

@@ -20,8 +20,8 @@ Work (``phase_work``), per phase ("capture", "replay", "recompute": ``GroupStats
 - "host_copy": with ``state_grad_on_host``, the state-gradient bytes a backward adds to the host sums (the gradient
   of the differentiable state it read: every row of its prefix, and a fixed-size state once; model dtype) and the
   float32 sums a recompute reads back (its own state's);
-- "state_stream": with ``state_on_host``, the prompt state's rows a step reads (its prefix's, the kinds that
-  ``stream``) copied from the host to the device a layer at a time (``state.stream``): once in its forward, and once
+- "state_stream": with ``state_on_host``, the prompt state a step reads (its prefix's rows, and a fixed-size state
+  once) copied from the host to the device a layer at a time (``state.stream``): once in its forward, and once
   more in a backward (what the forward saved of them is fetched back; checkpointed, the recompute reads them again);
   ``stream_overlap`` says how much of it hides behind the phase's other work (the next layer's copy runs on a side
   stream while the layers before it compute);
@@ -75,7 +75,7 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
     gathered = fsdp_param_bytes * (world - 1) / world
     grads_scattered = 0 if frozen_base else gathered * reduce_dtype.itemsize / dtype.itemsize
     differentiable = [s for layer in adapter.specs() for s in layer if s.differentiable]
-    streamed = [s for layer in adapter.specs() for s in layer if s.streams]
+    kinds = [s for layer in adapter.specs() for s in layer]
     work = {phase: dict.fromkeys(WORK, 0.0) for phase in PHASES}
     for step in plan.steps(mode):
         if step.call is None:
@@ -96,7 +96,7 @@ def phase_work(config, plan: Plan, mode: str, dtype: torch.dtype = torch.bfloat1
         # the walk's own: under CP the gathers of the scored log-probs and the losses, the sums of value gradients
         out["collective"] += sum(step.collectives(loss=mode != "log_probs", entropy=False).values())
         if state_on_host and calls[0].prefix:  # the prefix rows come to the device: forward, and again in backward
-            out["state_stream"] += (2 if backward else 1) * sum(s.nbytes(calls[0].prefix, dtype) for s in streamed)
+            out["state_stream"] += (2 if backward else 1) * sum(s.nbytes(calls[0].prefix, dtype) for s in kinds)
         if state_grad_on_host and backward and mode == "exact":
             read = calls[0].prefix  # the gradient of the state it read goes to the host sums (model dtype)
             out["host_copy"] += sum(s.nbytes(read, dtype) for s in differentiable) if read else 0

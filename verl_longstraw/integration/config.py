@@ -45,13 +45,14 @@ class LongStrawConfig(BaseConfig):
         "(pinned at their exact size with CUDA; each gradient staged through one pinned buffer of the largest "
         "state tensor, its copy overlapping the backward)."))
     state_on_host: bool = _knob(False, (
-        "keep the captured prompt state that grows with the prompt (K/V rows, MLA latents, DSA index keys) in "
-        "host memory (pinned with CUDA), written as captures and recomputes produce it, and bring one layer's rows "
+        "keep the captured prompt state in host memory (pinned with CUDA): the rows that grow with the prompt "
+        "(K/V, MLA latents, DSA index keys) and the fixed-size states (convolution, recurrent, sliding windows) "
+        "with their copies at every chunk boundary, written as the captures produce them; bring one layer's state "
         "to the device just before that layer runs in a capture, replay, recompute or backward, the next layer's "
         "copy in flight on a side stream (`verl_longstraw/state/stream.py`): the device holds one or two layers' "
-        "rows instead of every layer's, the node's host memory the rest (the pre-flight checks both). Fixed-size "
-        "states (convolution, recurrent, sliding windows) stay on the device. Costs host-to-device traffic of the "
-        "prompt state per replay round and recompute. Combine with `state_grad_on_host` for exact mode."))
+        "state instead of every layer's, the node's host memory the rest (the pre-flight checks both). Costs "
+        "host-to-device traffic of the prompt state per replay round and recompute. Combine with "
+        "`state_grad_on_host` for exact mode."))
     preflight: bool = _knob(True, (
         "before the first capture of each call, compare the memory estimate of its largest unit "
         "(`verl_longstraw.estimate.estimate_plan` of its prefix tree's plan) with the budget. The trees of the "

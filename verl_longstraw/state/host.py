@@ -103,6 +103,12 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
+def host_copy(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` (any device) in ``host_zeros`` memory: its own bytes exactly, pinned where CUDA is
+    available."""
+    return host_zeros(tuple(value.shape), value.dtype).copy_(value)
+
+
 class StagedCopies:
     """Copies of device tensors of at most ``nbytes`` each into the host, through one pinned staging buffer: ``add``
     starts one (asynchronous from CUDA), and hands the host copy to its callback once it has landed and before the

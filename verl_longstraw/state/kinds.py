@@ -14,8 +14,9 @@ kind it is, so a new kind (e.g. a sliding window of the last W rows) is one clas
   sends the window's gradient into both).
 
 Storage protocol (per state tensor of a layer), used by ``store.PathState``:
-``open(value, capacity, on_host)`` the storage at the first write (in host memory with ``on_host`` where the kind
-``streams``: ``state_on_host`` keeps those rows on the host, ``state.stream`` brings a layer's to the device),
+``open(value, capacity, on_host)`` the storage at the first write (in host memory with ``on_host``: ``state_on_host``
+keeps every kind's storage on the host, the chunk-boundary copies of the fixed-size states included, and
+``state.stream`` brings a layer's to the device),
 ``write(storage, key, row_start, value)``, ``read(storage, parent, row_end)`` (the state a segment continues; a
 root continues nothing), ``release(storage, key)``; the gradient sums mirror it (``add_grad``, ``grad_for``,
 ``release_grad``) in float32 (float64 for float64 state).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -55,7 +56,6 @@ class StateKind:
     shape: tuple[int, ...]
     differentiable: bool = True
     min_dtype: torch.dtype | None = None
-    streams: ClassVar[bool] = False  # ``state_on_host`` keeps its storage in host memory (``state.stream``)
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the tensor in a model of ``model_dtype``."""
@@ -76,7 +76,7 @@ class StateKind:
     # -- along a path (store.PathState) ------------------------------------------------
     def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> Any:
         """The storage of a path of ``capacity`` rows, made at the first write of ``value``; in host memory with
-        ``on_host`` for a kind that ``streams``."""
+        ``on_host``."""
         raise NotImplementedError
 
     def write(self, storage: Any, key: Key, row_start: int, value: torch.Tensor) -> None:
@@ -115,8 +115,6 @@ class Rows(StateKind):
     """One row per token: ``shape`` is one token's row, tokens on dim -2 (e.g. K [1, kv_heads, 1, head_dim]).
     Storage: one buffer [..., capacity, d] in position order (a path's rows are a view of its first rows); with
     ``on_host`` in host memory of exactly its bytes (``host.host_zeros``: pinned where CUDA is available)."""
-
-    streams: ClassVar[bool] = True
 
     def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
         return math.prod(self.shape) * rows * self.dtype(model_dtype).itemsize
@@ -158,10 +156,19 @@ class Rows(StateKind):
             sums[..., row_start:row_end, :] = 0  # a later segment's rows start from zero
 
 
+class SegmentValues(dict):
+    """A ``Fixed`` kind's storage: each segment's value at its end, by segment (``Key``); with ``on_host`` each value
+    is a copy in host memory of exactly its bytes (``host.host_copy``), made as the segment is written."""
+
+    def __init__(self, on_host: bool):
+        super().__init__()
+        self.on_host = on_host
+
+
 @dataclass(frozen=True)
 class Fixed(StateKind):
     """A size independent of the tokens: ``shape`` is the whole tensor's (e.g. a recurrent state [1, heads, k, v]).
-    Storage: each segment's value at its end, by segment (the path's segments and nothing else)."""
+    Storage: ``SegmentValues`` (the path's segments and nothing else: a chunked prompt's every chunk boundary)."""
 
     def nbytes(self, rows: int, model_dtype: torch.dtype) -> int:
         return math.prod(self.shape) * self.dtype(model_dtype).itemsize
@@ -169,11 +176,11 @@ class Fixed(StateKind):
     def empty(self, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(self.shape, dtype=self.dtype(like.dtype))
 
-    def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> dict[Key, torch.Tensor]:
-        return {}
+    def open(self, value: torch.Tensor, capacity: int, on_host: bool = False) -> SegmentValues:
+        return SegmentValues(on_host)
 
-    def write(self, storage: dict, key: Key, row_start: int, value: torch.Tensor) -> None:
-        storage[key] = value
+    def write(self, storage: SegmentValues, key: Key, row_start: int, value: torch.Tensor) -> None:
+        storage[key] = host.host_copy(value) if storage.on_host else value
 
     def read(self, storage: dict, parent: int, row_end: int) -> torch.Tensor:
         return storage[parent]

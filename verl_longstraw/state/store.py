@@ -8,9 +8,9 @@ of each segment on the path. The exact backward sums d(loss)/d(state) the same w
 float64 state), on the device or in host memory (``state.host``: pinned at its exact size, each gradient staged
 through one pinned buffer of ``staging_nbytes`` and added on the host while the backward goes on).
 
-``state_on_host``: the kinds that ``stream`` keep their buffer in host memory (written as the captures and
-recomputes produce the rows), and ``read``/``leaves`` give a ``stream.StreamedPath`` that brings one layer's rows to
-the device at a time; the other kinds stay on the device.
+``state_on_host``: every kind keeps its storage in host memory (the rows buffers, and each held segment's fixed-size
+values: a chunked prompt's chunk-boundary copies), written as the captures produce it, and ``read``/``leaves`` give a
+``stream.StreamedPath`` that brings one layer's state to the device at a time.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def staging_nbytes(kinds: list[tuple[StateKind, ...]], capacity: int, model_dtyp
 
 class PathState:
     """Per-layer state (``kinds[layer][j]`` describes tensor j of a layer) along a path of at most ``capacity``
-    rows on this rank; ``on_host``: the gradient sums live in host memory; ``state_on_host``: the rows of the kinds
-    that ``stream`` do (module docstring)."""
+    rows on this rank; ``on_host``: the gradient sums live in host memory; ``state_on_host``: the state does (module
+    docstring)."""
 
     def __init__(self, kinds: list[tuple[StateKind, ...]], capacity: int, on_host: bool = False,
                  state_on_host: bool = False):
@@ -55,8 +55,7 @@ class PathState:
         if self.storage is None:
             self.device = state[0][0].device
             self.storage = [
-                [kind.open(value, self.capacity, self._streams(kind)) for kind, value in zip(layer, values,
-                                                                                             strict=True)]
+                [kind.open(value, self.capacity, self.state_on_host) for kind, value in zip(layer, values, strict=True)]
                 for layer, values in zip(self.kinds, state, strict=True)
             ]
             if self.on_host:  # the model's dtype: a state tensor's without a minimum dtype of its own
@@ -69,10 +68,6 @@ class PathState:
         for layer, storages, values in zip(self.kinds, self.storage, state, strict=True):
             for kind, storage, value in zip(layer, storages, values, strict=True):
                 kind.write(storage, key, row_start, value)
-
-    def _streams(self, kind: StateKind) -> bool:
-        """Whether ``kind``'s storage lives in host memory (``state_on_host``, a kind that ``streams``)."""
-        return self.state_on_host and kind.streams
 
     def _read(self, parent: Key, row_end: int) -> list[LayerState]:
         return [
@@ -88,9 +83,7 @@ class PathState:
         past = self._read(parent, row_end)
         if not self.state_on_host:
             return past
-        return StreamedPath([tuple(HostRows(value) if self._streams(kind) else value
-                                   for kind, value in zip(layer, values, strict=True))
-                             for layer, values in zip(self.kinds, past, strict=True)], self.device)
+        return StreamedPath([tuple(HostRows(value) for value in values) for values in past], self.device)
 
     def leaves(self, parent: Key | None, row_end: int, requires_grad: bool) -> list[LayerState] | StreamedPath | None:
         """``read(parent, row_end)`` as autograd leaves. With ``requires_grad`` the differentiable ones require
@@ -107,7 +100,7 @@ class PathState:
                 hand_grad = None
                 if requires_grad and kind.differentiable:
                     hand_grad = functools.partial(self._hand_grad, j_layer, j, parent, row_end)
-                if self._streams(kind):
+                if self.state_on_host:
                     leaves.append(HostRows(value, hand_grad))
                     continue
                 leaf = value.detach()
@@ -153,6 +146,8 @@ class PathState:
     def release(self, key: Key, row_start: int, row_end: int) -> None:
         """Forget segment ``key``'s state and gradient sums (its subtree and its own backward are done)."""
         self.flush()
+        if self.state_on_host and self.device is not None:
+            copies_landed(self.device)  # a prefetch may still be reading the host values freed here
         for layer, storages, layer_sums in zip(self.kinds, self.storage or [[None] * len(k) for k in self.kinds],
                                                self.sums, strict=True):
             for kind, storage, sums in zip(layer, storages, layer_sums, strict=True):
@@ -183,12 +178,8 @@ class PathState:
         return storage_nbytes(self.tensors())
 
     def host_nbytes(self) -> int:
-        """Bytes of the storages kept in host memory (``state_on_host``: the kinds that ``stream``)."""
-        if self.storage is None:
-            return 0
-        return storage_nbytes([t for layer, storages in zip(self.kinds, self.storage, strict=True)
-                               for kind, storage in zip(layer, storages, strict=True) if self._streams(kind)
-                               for t in kind.tensors(storage)])
+        """Bytes of the storages kept in host memory (``state_on_host``: all of them)."""
+        return self.nbytes() if self.state_on_host else 0
 
     def layer_nbytes(self, layer: int) -> int:
         """Bytes of the storages layer ``layer``'s state keeps alive."""

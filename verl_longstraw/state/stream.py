@@ -1,17 +1,17 @@
 """A path's prompt state in host memory, brought to the device one layer at a time (``state_on_host``).
 
-With ``state_on_host`` the store (``store.PathState``) keeps the kinds that ``stream`` (``Rows``: K/V, MLA latents,
-DSA index keys) in host memory, pinned where CUDA is available, and the state a segment continues is a
-``StreamedPath``: a sequence of per-layer states whose item ``l`` is layer l's rows copied to the device when the
-walk's layer l asks for it (``execute.run_segment`` reads ``past[l]`` right before it runs the layer), with the next
-layer's copy already issued (on CUDA on a copy stream of its own, so it overlaps layer l; elsewhere at once). The
-other kinds (``Fixed``, ``Window``: sizes bounded by the model, not the prompt) stay on the device as they are.
+With ``state_on_host`` the store (``store.PathState``) keeps every state kind in host memory, pinned where CUDA is
+available (``Rows``: K/V, MLA latents, DSA index keys; ``Fixed``, ``Window``: each held segment's value, a chunked
+prompt's chunk-boundary copies among them), and the state a segment continues is a ``StreamedPath``: a sequence of
+per-layer states whose item ``l`` is layer l's state copied to the device when the walk's layer l asks for it
+(``execute.run_segment`` reads ``past[l]`` right before it runs the layer), with the next layer's copy already issued
+(on CUDA on a copy stream of its own, so it overlaps layer l; elsewhere at once).
 
 A forward with autograd saves views of a layer's state for its backward (the attention ops save the prefix K/V),
 which would hold every layer's copy until the backward. Inside ``saving_as_host_rows(past)`` a saved tensor that is
 (a view of) a copy is packed as a reference to its layer (``torch.autograd.graph.saved_tensors_hooks``: its layer,
-tensor and view geometry) and unpacked in the backward by copying that layer's rows to the device again, the layer
-before it (in backward order) issued at the same time. So one or two layers' rows are on the device at a time
+tensor and view geometry) and unpacked in the backward by copying that layer's state to the device again, the layer
+before it (in backward order) issued at the same time. So one or two layers' state is on the device at a time
 (``resident`` counts them).
 
 Exact mode: a copy that must hand a gradient to the store goes through ``_HandGrad``, whose backward hands the
@@ -36,9 +36,9 @@ GradHandler = Callable[[torch.Tensor], None]
 
 @dataclass(frozen=True)
 class HostRows:
-    """One state tensor of a layer kept in host memory: ``rows`` [..., row_end, d] (a view of the store's host
-    buffer); ``hand_grad`` (exact mode, a differentiable kind) takes d(loss)/d(rows) on the device once a backward
-    has summed it over the rows' uses; None: the rows are a constant."""
+    """One state tensor of a layer kept in host memory: ``rows`` (a rows kind's [..., row_end, d], a view of the
+    store's host buffer; a fixed-size kind's whole value); ``hand_grad`` (exact mode, a differentiable kind) takes
+    d(loss)/d(rows) on the device once a backward has summed it over the rows' uses; None: the rows are a constant."""
 
     rows: torch.Tensor
     hand_grad: GradHandler | None = None
@@ -92,8 +92,12 @@ def copies_landed(device: torch.device) -> None:
 
 
 def _copy_rows(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
-    """Copy ``source`` [..., n, d] (rows of a buffer [..., capacity, d]) into ``destination`` (the same strides), one
-    contiguous [n, d] block per leading index: each block one direct copy from pinned memory."""
+    """Copy ``source`` into ``destination`` (the same strides): a contiguous tensor (a fixed-size value) in one copy;
+    rows [..., n, d] of a buffer [..., capacity, d] one contiguous [n, d] block per leading index: each block one
+    direct copy from pinned memory."""
+    if source.is_contiguous():
+        destination.copy_(source, non_blocking=non_blocking)
+        return
     rows = source.shape[-2:]
     for to, of in zip(destination.view(-1, *rows), source.view(-1, *rows), strict=True):
         to.copy_(of, non_blocking=non_blocking)
@@ -101,10 +105,9 @@ def _copy_rows(destination: torch.Tensor, source: torch.Tensor, non_blocking: bo
 
 @dataclass
 class _Copies:
-    """One layer's device copies (None for the tensors that stay on the device) and, on CUDA, the event after
-    which they have landed."""
+    """One layer's device copies and, on CUDA, the event after which they have landed."""
 
-    tensors: list[torch.Tensor | None]
+    tensors: list[torch.Tensor]
     landed: torch.cuda.Event | None
 
 
@@ -135,22 +138,21 @@ class _HandGrad(torch.autograd.Function):
 
 
 class StreamedPath(Sequence):
-    """The state a segment continues, per layer (module docstring): ``layers[l][j]`` a device tensor (a kind that
-    stays on the device, as ``PathState.read``/``leaves`` give it) or ``HostRows``; ``device``: where layers run.
-    Item ``l`` is layer l's state on the device, the ``HostRows`` copied (and, with a ``hand_grad``, behind
-    ``_HandGrad``)."""
+    """The state a segment continues, per layer (module docstring): ``layers[l][j]`` the ``HostRows`` of tensor j of
+    layer l (as ``PathState.read``/``leaves`` give it); ``device``: where layers run. Item ``l`` is layer l's state
+    on the device, the ``HostRows`` copied (and, with a ``hand_grad``, behind ``_HandGrad``)."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor | HostRows, ...]], device: torch.device):
+    def __init__(self, layers: list[tuple[HostRows, ...]], device: torch.device):
         self.layers = layers
         self.device = device
-        self.streamed = [idx for idx, layer in enumerate(layers) if any(isinstance(t, HostRows) for t in layer)]
+        self.streamed = [idx for idx, layer in enumerate(layers) if layer]  # the layers with a state
         self.copies: dict[int, _Copies] = {}
         # a copy's storage by identity (id of the storage object, which the entry keeps alive: not its address, which
         # a fake tensor's storage does not have) -> (the storage, layer, j)
         self.storages: dict[int, tuple[torch.UntypedStorage, int, int]] = {}
         self.anchor: torch.Tensor | None = None
         self.last_read: int | None = None  # the position in ``streamed`` of the layer ``__getitem__`` gave last
-        if any(isinstance(t, HostRows) and t.hand_grad is not None for layer in layers for t in layer):
+        if any(t.hand_grad is not None for layer in layers for t in layer):
             self.anchor = torch.empty(0, device=device, requires_grad=True)
 
     def __len__(self) -> int:
@@ -166,19 +168,19 @@ class StreamedPath(Sequence):
         going_down = self.last_read is not None and position == self.last_read - 1
         self.last_read = position
         copies = self._take(idx, forward=not going_down)
-        out = []
-        for value, copy in zip(self.layers[idx], copies, strict=True):
-            if not isinstance(value, HostRows):
-                out.append(value)
-            elif value.hand_grad is None:
-                out.append(copy)
-            else:
-                out.append(_HandGrad.apply(self.anchor, copy, value.hand_grad))
-        return tuple(out)
+        return tuple(copy if value.hand_grad is None else _HandGrad.apply(self.anchor, copy, value.hand_grad)
+                     for value, copy in zip(self.layers[idx], copies, strict=True))
 
-    def _take(self, idx: int, forward: bool) -> list[torch.Tensor | None]:
+    def _take(self, idx: int, forward: bool) -> list[torch.Tensor]:
         """Layer ``idx``'s copies, landed for the current stream; every other layer's dropped but the next one's in
-        the walk's order (``forward``: the next layer up, else the next down), which is issued now."""
+        the walk's order (``forward``: the next layer up, else the next down), which is issued now. The others are
+        dropped first: a backward that skips a layer (nothing of its copy saved) must not hold three."""
+        position = self.streamed.index(idx)
+        following = position + 1 if forward else position - 1
+        ahead = self.streamed[following] if 0 <= following < len(self.streamed) else None
+        for layer in list(self.copies):
+            if layer not in (idx, ahead):
+                self._forget(layer)
         if idx not in self.copies:
             self._issue(idx)
         copies = self.copies[idx]
@@ -186,27 +188,17 @@ class StreamedPath(Sequence):
             current = torch.cuda.current_stream(self.device)
             current.wait_event(copies.landed)
             for t in copies.tensors:
-                if t is not None:
-                    t.record_stream(current)  # its memory is not reused before the current stream has read it
-        position = self.streamed.index(idx)
-        following = position + 1 if forward else position - 1
-        ahead = self.streamed[following] if 0 <= following < len(self.streamed) else None
-        for layer in list(self.copies):
-            if layer not in (idx, ahead):
-                self._forget(layer)
+                t.record_stream(current)  # its memory is not reused before the current stream has read it
         if ahead is not None and ahead not in self.copies:
             self._issue(ahead)
         return copies.tensors
 
     def _issue(self, idx: int) -> None:
-        """Start copying layer ``idx``'s host rows to the device (on CUDA on the copy stream, else at once)."""
+        """Start copying layer ``idx``'s host state to the device (on CUDA on the copy stream, else at once)."""
         stream = _copy_stream(self.device)
-        tensors: list[torch.Tensor | None] = []
+        tensors: list[torch.Tensor] = []
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for j, value in enumerate(self.layers[idx]):
-                if not isinstance(value, HostRows):
-                    tensors.append(None)
-                    continue
                 rows = value.rows
                 copy = torch.empty_strided(rows.shape, rows.stride(), dtype=rows.dtype, device=self.device)
                 _copy_rows(copy, rows, non_blocking=stream is not None)
@@ -222,8 +214,7 @@ class StreamedPath(Sequence):
     def _forget(self, idx: int) -> None:
         """Drop this path's references to layer ``idx``'s copies (freed once nothing else uses them)."""
         for t in self.copies.pop(idx).tensors:
-            if t is not None:
-                self.storages.pop(id(t.untyped_storage()), None)
+            self.storages.pop(id(t.untyped_storage()), None)
 
     # -- saved for backward ----------------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedRows:
