@@ -393,9 +393,11 @@ def dry_run(config: transformers.PretrainedConfig, step: Step, seed: int = 0) ->
         measured.host_peak_bytes = host.host_memory.peak
     measured.phase_expert_bytes = meters.expert_bytes()
     measured.seconds = time.perf_counter() - start
-    measured.peak_bytes = device_bytes.peak_without(gradients) - baseline
     measured.phase_bytes = {name: device_bytes.phase_without(name, gradients) - baseline
                             for name in device_bytes.phases}
+    # the step's peak less the gradients alive at it, and no phase's below it: where the handed-over gradients
+    # peaked elsewhere, a phase's own peak (less its gradients) is the higher of the two
+    measured.peak_bytes = max(device_bytes.peak_without(gradients) - baseline, *measured.phase_bytes.values())
     measured.largest_tensor_bytes = device_bytes.largest
     measured.largest_tensor_numel = device_bytes.largest_numel
     measured.largest_tensor_made_by = device_bytes.largest_made_by
