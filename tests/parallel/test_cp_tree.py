@@ -1,9 +1,9 @@
-"""Prefix trees under context parallelism against the same trees in one process: every family on R = 2 and 3 gloo
-ranks (one spawned group per R), float64 models (float32 scoring and norms: bounds below), exact and detached,
-chunked and unchunked, response segments on and off; the trees hold a shared system prompt, shared scored response
-tokens, rows that extend another (one scored from inside its leaf: fewer than R unscored positions before), identical
-rows and a lone row shorter than R (replayed at the root); each one-process reference is computed once, in the
-pytest process. Ranks given different trees raise on every rank."""
+"""Prefix trees under context parallelism against the same trees in one process: every family on R = 2 and 3 gloo ranks
+(one spawned group per R), float64 models (float32 scoring and norms: bounds below), exact and detached, chunked and
+unchunked (R = 2; R = 3 chunked only), response segments on and off; the trees hold a shared system prompt, shared
+scored response tokens, rows that extend another (one scored from inside its leaf: fewer than R unscored positions
+before), identical rows and a lone row shorter than R (replayed at the root); each one-process reference is computed
+once, in the pytest process. Ranks given different trees raise on every rank."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from verl_longstraw.testing.compare import float64_throughout, value_error_messa
 from verl_longstraw.tiny import FAMILIES, VOCAB, tiny_model
 
 CONFIGS = ((None, None, "exact"), (8, 3, "exact"), (5, None, "detached"))  # chunk_size, response_chunk_size, mode
+
+
+def _configs(world: int) -> tuple[tuple, ...]:
+    """The configurations run at ``world`` ranks: all at R = 2; at R = 3 the chunked ones (its uneven shards)."""
+    return CONFIGS if world == 2 else CONFIGS[1:]
 # Float64 models computing in float64 throughout (``testing.compare.float64_throughout``): values relative to their
 # magnitude and gradients relative L2, against one process (measured at R = 2, 3, AMD EPYC Zen 4: <= 7.3e-16)
 FLOAT64_TOL = 1e-10
@@ -98,7 +103,7 @@ def _compare_worker(rank: int, world: int) -> list[dict]:
     out = []
     for index, family in enumerate(FAMILIES):
         model = tiny_model(family, torch.float64, seed=index)
-        for config in CONFIGS:
+        for config in _configs(world):
             rows, starts = _tree(index, scored_inside=config[2] == "exact")
             with float64_throughout():
                 result, log_probs, grad = _run(model, rows, starts, config, group)
@@ -112,6 +117,7 @@ def _compare_worker(rank: int, world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_trees_match_one_process(world):
     results = run_ranks(_compare_worker, world, timeout_s=900)
+    assert [r["case"] for r in results[0]] == [(f, *c) for f in FAMILIES for c in _configs(world)]
     for index, record in enumerate(results[0]):
         case = record["case"]
         ref, ref_log_probs, ref_grad = _reference(case[0], case[1:])
