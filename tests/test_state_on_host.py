@@ -11,7 +11,7 @@ from test_tree import random_tree
 
 from verl_longstraw import Knobs, capture_prompt, group_backward, group_log_probs, tree_backward
 from verl_longstraw.adapters import adapter_for
-from verl_longstraw.estimate import estimate_memory
+from verl_longstraw.estimate import estimate_memory, streamed_moments
 from verl_longstraw.parallel.launch import run_ranks
 from verl_longstraw.preflight import check_budget, check_host_budget
 from verl_longstraw.state import stream
@@ -226,6 +226,37 @@ def test_estimate_counts_the_resident_window_and_the_host_rows(family, overrides
     window = sum(sorted(layers, reverse=True)[:2])
     assert streamed.state_bytes == resident.state_bytes - streamed.host_state_bytes + window
     assert streamed.total_bytes == resident.total_bytes - streamed.host_state_bytes + window
+
+
+def test_checkpointed_backward_holds_the_layers_the_estimate_counts(monkeypatch):
+    """Under checkpointing each layer's backward recompute brings its state over and issues the copy below it,
+    dropping the others: the layers ``streamed_moments`` counts at that layer's moments (each layer's read weighted
+    2^l, so the count names the layers)."""
+    model = tiny_model("qwen3", num_hidden_layers=6, layer_types=6 * ["full_attention"])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompt, responses = make_group(VOCAB, 57, (5, 3))
+    held_after_take = []
+    take = stream.StreamedPath._take
+
+    def recording_take(self, idx, forward):
+        copies = take(self, idx, forward)
+        held_after_take.append((idx, forward, sorted(self.copies)))
+        return copies
+
+    monkeypatch.setattr(stream.StreamedPath, "_take", recording_take)
+    _backward(model, prompt, responses, state_on_host=True)
+    counted = streamed_moments([2**layer for layer in range(6)], checkpointed=True).layers
+    going_down = [(idx, held) for idx, forward, held in held_after_take if not forward]
+    assert {idx for idx, _ in going_down} == set(range(5)), held_after_take  # every layer's recompute but the top's
+    assert all(sum(2**layer for layer in held) == counted[idx] for idx, held in going_down), going_down
+
+
+def test_streamed_moments_count_each_layer_and_the_one_below():
+    """Checkpointed: at layer j the lowest streamed layer at or above j and the streamed layer below it (a layer
+    without state streams nothing); the scoring and every moment without checkpointing: the two largest."""
+    reads = [4, 0, 1, 2]
+    assert streamed_moments(reads, checkpointed=True) == (6, [4, 5, 5, 3])
+    assert streamed_moments(reads, checkpointed=False) == (6, [6, 6, 6, 6])
 
 
 def test_host_budget_names_the_knob():

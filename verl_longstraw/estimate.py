@@ -42,7 +42,9 @@ one layer's feed-forward or mixer backward, each with the saves held then (less 
 state's own buffers, which the attention saves as views and ``state_bytes`` already counts; the layers above have
 freed theirs, checkpointed also their inputs), its transient and the state gradients on the device then (every sum
 after the walk's first backward, during it those that exist, as ``PathState`` makes each on its layer's first
-gradient; the leaf gradient of the layer handing it over; one in flight to the host). Each layer's largest moment
+gradient; the leaf gradient of the layer handing it over; one in flight to the host) and the prompt state on the
+device then (all of it; with ``state_on_host`` what the stream holds at that moment, ``streamed_moments``, at most
+two layers' reads). Each layer's largest moment
 (``layer_peak_bytes``, ``unscored_layer_peak_bytes``) and the scoring's (``ends_peak_bytes``) are kept, for
 ``gpu_table`` to pair each with the FSDP2 units held then. ``host_bytes`` is what it keeps on the host.
 
@@ -130,6 +132,8 @@ class MemoryEstimate:
     # token exchange (``feed_forward.ExpertExchange.transient_bytes`` of ``layer_call_tokens``); 0 without
     saved_state_bytes: int = 0  # of the saved bytes of the backward step at the peak, the state buffers its attention
     # saves as views (``Saves.state_views``): already in ``state_bytes``, so not counted again in ``total_bytes``
+    backward_state_bytes: int | None = None  # the prompt state on the device at the backward peak's moment (None:
+    # ``state_bytes``); less than ``state_bytes`` where it streams from the host (``streamed_moments``)
     backward_grad_bytes: int | None = None  # the state-gradient bytes on the device at the backward peak's step
     # (None: all of them, ``device_state_grad_bytes + state_leaf_grad_bytes + in_flight_bytes``); fewer when the
     # peak is the walk's first backward, before whose end not every sum exists (``PathState`` makes each on its first
@@ -175,17 +179,19 @@ class MemoryEstimate:
 
     @property
     def backward_bytes(self) -> int:
-        """Device bytes at the peak of the backward steps (replays and recomputes): the state, the state-gradient
-        bytes held then (``backward_grad_bytes``), the saved bytes of that step less the state buffers it saves as
-        views (``saved_state_bytes``, counted in the state), and the transient of that step's largest moment
-        (``backward_peak_transient_bytes``; where not given, the largest of any phase, ``transient_bytes``)."""
+        """Device bytes at the peak of the backward steps (replays and recomputes): the prompt state held then
+        (``backward_state_bytes``), the state-gradient bytes held then (``backward_grad_bytes``), the saved bytes of
+        that step less the state buffers it saves as views (``saved_state_bytes``, counted in the state), and the
+        transient of that step's largest moment (``backward_peak_transient_bytes``; where not given, the largest of
+        any phase, ``transient_bytes``)."""
         grads = self.backward_grad_bytes
         if grads is None:
             grads = self.device_state_grad_bytes + self.state_leaf_grad_bytes + self.in_flight_bytes
         saved = self.saved_peak_bytes if self.backward_peak_saved_bytes is None else self.backward_peak_saved_bytes
         transient = self.transient_bytes if self.backward_peak_transient_bytes is None else (
             self.backward_peak_transient_bytes)
-        return self.state_bytes + grads + saved - self.saved_state_bytes + transient
+        state = self.state_bytes if self.backward_state_bytes is None else self.backward_state_bytes
+        return state + grads + saved - self.saved_state_bytes + transient
 
     @property
     def total_bytes(self) -> int:
@@ -211,18 +217,29 @@ class MomentGrads(NamedTuple):
     mixer: list[int]
 
 
+class MomentStates(NamedTuple):
+    """The prompt state on the device at each moment of a backward step (bytes): while it scores (``scoring``) and
+    while layer j backpropagates, both halves (``layers[j]``). The whole state at every moment, unless it streams
+    from the host (``streamed_moments``)."""
+
+    scoring: int
+    layers: list[int]
+
+
 class Moment(NamedTuple):
     """One moment of a backward step against the step's saved figure (``_Layers.saved``): the saves freed or not
-    yet made by then (``freed``), the transient beside them and the state gradients on the device (bytes)."""
+    yet made by then (``freed``), the transient beside them, the state gradients and the prompt state on the device
+    (bytes)."""
 
     freed: int
     transient: int
     grads: int
+    state: int
 
     @property
     def extra(self) -> int:
         """What the moment holds beyond the step's saved figure (negative: less)."""
-        return self.transient + self.grads - self.freed
+        return self.transient + self.grads + self.state - self.freed
 
 
 class _Layers:
@@ -297,7 +314,7 @@ class _Layers:
         return max((op.transient_bytes(call) for op, call in zip(self.ops, calls, strict=True)), default=0)
 
     def moments(self, calls: Sequence[LayerCall], held: Sequence[int], checkpointed: bool, score: int,
-                grads: MomentGrads) -> tuple[Moment, list[Moment]]:
+                grads: MomentGrads, states: MomentStates) -> tuple[Moment, list[Moment]]:
         """The step's scoring moment and each layer's largest moment, against the step's saved figure (``saved``).
         The backward runs the scoring first (its transient ``score`` beside every save), then the layers from the
         last: layer j's feed-forward half (its backward, ``FeedForward.backward_transient_bytes``, beside all of
@@ -305,9 +322,10 @@ class _Layers:
         saves less its feed-forward half's, ``feed_forward_saves``). Layers above j have freed their saves by then;
         checkpointed, no layer but j holds saves (the saved figure counts the largest layer's) and the layers above
         j have freed their inputs (``checkpoint_inputs``). ``held``: each layer's saves less its state views
-        (``saved``'s per-layer figures); ``grads``: the state gradients on the device at each of those moments."""
+        (``saved``'s per-layer figures); ``grads``, ``states``: the state gradients and the prompt state on the
+        device at each of those moments."""
         base = max(held) if checkpointed else sum(held)
-        scoring = Moment(max(held) if checkpointed else 0, score, grads.scoring)
+        scoring = Moment(max(held) if checkpointed else 0, score, grads.scoring, states.scoring)
         inputs = self.checkpoint_inputs(calls) if checkpointed else [0] * len(calls)
         layers = []
         for idx, (op, feed_forward, call) in enumerate(zip(self.ops, self.feed_forwards, calls, strict=True)):
@@ -317,8 +335,9 @@ class _Layers:
                                                                                          self.dtype)
             mixer = max(op.transient_bytes(call), op.score_block_bytes(call))
             ff_held = below + held[idx]
-            layers.append(max(Moment(base - ff_held, ff_backward, grads.feed_forward[idx]),
-                              Moment(base - ff_held + self.feed_forward_saves(idx, call), mixer, grads.mixer[idx]),
+            layers.append(max(Moment(base - ff_held, ff_backward, grads.feed_forward[idx], states.layers[idx]),
+                              Moment(base - ff_held + self.feed_forward_saves(idx, call), mixer, grads.mixer[idx],
+                                     states.layers[idx]),
                               key=lambda moment: moment.extra))
         return scoring, layers
 
@@ -421,12 +440,36 @@ def estimate_memory(
                          expert_parallel, state_on_host)
 
 
-def _streamed_state(specs: list[tuple], rows: int, segments: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(device, host) bytes of a path's state of ``rows`` rows and ``segments`` held segments with ``state_on_host``:
-    all of it in host memory; on the device the state a segment reads of the two largest layers (``state.stream``:
-    the layer running and the next one's copy; the rows and one segment's fixed-size values)."""
-    read = sorted((sum(s.path_nbytes(rows, 1, dtype) for s in layer) for layer in specs), reverse=True)
-    return sum(read[:2]), sum(s.path_nbytes(rows, segments, dtype) for layer in specs for s in layer)
+def layer_reads(specs: list[tuple], rows: int, dtype: torch.dtype) -> list[int]:
+    """Per layer, the bytes of the state a segment reads of a path of ``rows`` rows (its rows and one segment's
+    fixed-size values): what ``state_on_host`` brings to the device for that layer (``state.stream``)."""
+    return [sum(s.path_nbytes(rows, 1, dtype) for s in layer) for layer in specs]
+
+
+def streamed_window(reads: Sequence[int]) -> int:
+    """The most streamed state on the device at once, whatever the moment: the two largest ``layer_reads`` (the
+    layer running and the next one's copy)."""
+    return sum(sorted(reads, reverse=True)[:2])
+
+
+def streamed_moments(reads: Sequence[int], checkpointed: bool) -> MomentStates:
+    """The streamed state (``state_on_host``) on the device at each moment of a backward step, from each layer's
+    ``layer_reads``. Checkpointed, the backward recomputes the layers from the top down and each recompute brings
+    its layer's state over and issues the copy of the streamed layer below, dropping the others
+    (``StreamedPath._take``): at layer j's moments the lowest streamed layer at or above j (the last one read) and
+    the streamed layer below it are on the device. The scoring, after a forward whose layers each held their own
+    state and the next one's, and without checkpointing every moment (a layer whose backward saves no view of its
+    copy leaves the last two read in place): the window, ``streamed_window``."""
+    window = streamed_window(reads)
+    if not checkpointed:
+        return MomentStates(window, [window] * len(reads))
+    streamed = [idx for idx, read in enumerate(reads) if read]
+    layers = []
+    for idx in range(len(reads)):
+        read_last = next((at for at, layer in enumerate(streamed) if layer >= idx), None)
+        held = [] if read_last is None else streamed[max(read_last - 1, 0):read_last + 1]
+        layers.append(sum(reads[layer] for layer in held))
+    return MomentStates(window, layers)
 
 
 def estimate_plan(
@@ -467,16 +510,16 @@ class _BackwardPeak:
     held then (``grads``) and its transient (``transient``); None before any. ``layer_sums``: each layer's
     state-gradient sums on the device; ``layer_leaf_grads``: the gradient each layer's backward hands its state
     leaves; ``in_flight``: a gradient on its way to the host sums; ``exchange_per_token``: the MoE token exchange's
-    transient per token a layer call runs."""
+    transient per token a layer call runs; ``states``: the prompt state on the device at each moment of a step (the
+    prompt state held at the peak: ``state``)."""
 
     def __init__(self, layers: _Layers, checkpointed: bool, layer_sums: Sequence[int], layer_leaf_grads: Sequence[int],
-                 in_flight: int, exchange_per_token: int):
+                 in_flight: int, exchange_per_token: int, states: MomentStates):
         self.layers, self.checkpointed = layers, checkpointed
         self.layer_sums, self.layer_leaf_grads, self.in_flight = layer_sums, layer_leaf_grads, in_flight
-        self.exchange_per_token = exchange_per_token
-        self.moment = self.saved = self.views = self.grads = self.transient = None
-        # per layer, of the steps that do not score and of those that do: the most bytes besides the state at its
-        # moments
+        self.exchange_per_token, self.states = exchange_per_token, states
+        self.moment = self.saved = self.views = self.grads = self.transient = self.state = None
+        # per layer, of the steps that do not score and of those that do: the most bytes at its moments
         self.layer_moments = ([0] * len(layer_sums), [0] * len(layer_sums))
         self.ends_moment = 0  # the same at a scoring moment or between two steps (the input embedding's backward)
         self.seen = False  # a backward step has run
@@ -512,22 +555,23 @@ class _BackwardPeak:
         held_grads = self.moment_grads()
         held_grads = MomentGrads(held_grads.scoring + step_grads, [g + step_grads for g in held_grads.feed_forward],
                                  [g + step_grads for g in held_grads.mixer])
-        scoring, layers = self.layers.moments(calls, per_layer, self.checkpointed, score, held_grads)
+        scoring, layers = self.layers.moments(calls, per_layer, self.checkpointed, score, held_grads, self.states)
         exchange = tokens * self.exchange_per_token  # an MoE layer's token exchange, at any layer's moment
 
         def held(moment: Moment, transient: int) -> int:
-            return saved - moment.freed - views + moment.grads + transient
+            return saved - moment.freed - views + moment.grads + moment.state + transient
 
         layer_moments = self.layer_moments[scores]
         for idx, moment in enumerate(layers):
             layer_moments[idx] = max(layer_moments[idx], held(moment, max(moment.transient, exchange)))
         self.seen = True
-        self.ends_moment = max(self.ends_moment, held(scoring, scoring.transient), self.moment_grads().scoring)
+        self.ends_moment = max(self.ends_moment, held(scoring, scoring.transient),
+                               self.moment_grads().scoring + self.states.scoring)
         peak = max([scoring, *layers], key=lambda moment: moment.extra)
         transient = max(peak.transient, exchange)
         if self.moment is None or held(peak, transient) > self.moment:
             self.moment, self.saved, self.views = held(peak, transient), saved - peak.freed, views
-            self.grads, self.transient = peak.grads, transient
+            self.grads, self.transient, self.state = peak.grads, transient, peak.state
         return saved, pass_q
 
 
@@ -545,9 +589,12 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
     state = sum(s.path_nbytes(rows, states_held, dtype) for s in kinds) if states_held else 0
     # the held segments' state besides one segment's (a Rows buffer is one whatever the segments)
     boundaries = state - sum(s.path_nbytes(rows, 1, dtype) for s in kinds) if states_held else 0
-    # the same state with ``state_on_host``: its resident window and the rows in host memory
-    streamed_state, streamed_host_state = _streamed_state(specs, rows, states_held, dtype) if states_held else (0, 0)
+    # the same state with ``state_on_host``: all of it in host memory; on the device what each layer reads, at most
+    # the window of two layers
+    reads = layer_reads(specs, rows, dtype) if states_held else [0] * len(specs)
+    streamed_state, streamed_host_state = streamed_window(reads), state
     host_state = 0
+    resident_states = MomentStates(state, [state] * len(specs))
     if state_on_host:
         state, host_state = streamed_state, streamed_host_state
     state_grad = leaf_grad = staging = 0
@@ -565,7 +612,12 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
                                                        for s in layer if s.differentiable) for layer in specs]
         layer_leaf_grads = [sum(s.nbytes(rows, dtype) for s in layer if s.differentiable) for layer in specs]
     in_flight = staging if state_grad_on_host else 0
-    peak = _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads, in_flight, exchange_per_token)
+    # the backward steps priced with the prompt state where the walk keeps it, and (unless that is the host already)
+    # with it streamed from the host
+    streamed_peak = _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads, in_flight, exchange_per_token,
+                                  streamed_moments(reads, checkpointed))
+    peak = streamed_peak if state_on_host else _BackwardPeak(layers, checkpointed, layer_sums, layer_leaf_grads,
+                                                             in_flight, exchange_per_token, resident_states)
     # per token a scored step saves the final norm's output, which ``score`` saves, and the norm's own saves
     final_norm = getattr(adapter.backbone, adapter.final_norm)
     hidden_bytes = config.hidden_size * layers.act + saved_row_bytes(final_norm, config.hidden_size, dtype)
@@ -600,8 +652,11 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
                 # exact: the float32 sums' rows, a copy where they are on the host or of another dtype (else views)
                 copied = mode == "exact" and (state_grad_on_host or torch.promote_types(dtype, torch.float32) != dtype)
                 own_state, own_grads = rows * checkpointed, rows * (copied or (mode != "exact" and plan.world > 1))
-            saved, pass_q = peak.add(calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens,
-                                     scores, own_grads)
+            step_saves = (calls, int(tokens * hidden_bytes if scores else 0) + own_state, scoring, tokens, scores,
+                          own_grads)
+            saved, pass_q = peak.add(*step_saves)
+            if streamed_peak is not peak:
+                streamed_peak.add(*step_saves)
             if saved > saved_most[type(step)][0]:
                 saved_most[type(step)] = (saved, pass_q)
             transient_most[type(step)] = max(transient_most[type(step)], layers.transient(calls))
@@ -636,17 +691,16 @@ def _walk_estimate(config, plan: Plan, mode: str, dtype: torch.dtype, adapter: A
         all_to_all_bytes=call_tokens * exchange_per_token,
         saved_state_bytes=peak.views or 0,
         backward_grad_bytes=peak.grads,
+        backward_state_bytes=peak.state,
         backward_peak_saved_bytes=peak.saved,
         backward_peak_transient_bytes=peak.transient,
         capture_peak_bytes=capture_peak,
         state_on_host=state_on_host,
         host_state_bytes=host_state,
         streamed_host_state_bytes=streamed_host_state,
-        layer_peak_bytes=tuple(state + moment for moment in peak.layer_moments[True]) if peak.seen else (),
-        unscored_layer_peak_bytes=tuple(state + moment for moment in peak.layer_moments[False]) if peak.seen else (),
-        ends_peak_bytes=state + peak.ends_moment if peak.seen else 0,
+        layer_peak_bytes=tuple(peak.layer_moments[True]) if peak.seen else (),
+        unscored_layer_peak_bytes=tuple(peak.layer_moments[False]) if peak.seen else (),
+        ends_peak_bytes=peak.ends_moment if peak.seen else 0,
     )
-    # the state is the same at every backward step, so the streamed walk's backward peak is this one's with its
-    # state in place of this one's
-    streamed_backward = estimate.backward_bytes - estimate.state_bytes + streamed_state
+    streamed_backward = streamed_peak.moment if streamed_peak.seen else 0
     return dataclasses.replace(estimate, streamed_total_bytes=max(streamed_backward, streamed_capture_peak))

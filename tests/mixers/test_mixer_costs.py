@@ -159,3 +159,24 @@ def test_every_op_kind_of_every_family_has_a_case():
     concrete = {cls for cls in _subclasses(mixers.MixerOp) if not inspect.isabstract(cls)
                 and cls.__module__.startswith("verl_longstraw.mixers")} - {mixers.NoMixer}
     assert concrete <= used, sorted(cls.__name__ for cls in concrete - used)
+
+
+# the attention ops with a transient to count (a sliding window's op has none): fused kernels, pass-Q under CP
+@pytest.mark.parametrize("case", ["Attention", "Attention (output gate)", "WindowAttention (sinks)", "LatentAttention",
+                                  "LatentAttention (DSA indexer)"])
+def test_attention_without_output_has_no_attention_transient(case):
+    """The last layer of an unscored segment computes its state only (no queries, no attention): an attention op's
+    backward transient and score block are 0 for such a call, in one process and under CP, on CUDA in bfloat16,
+    where the same call with its output needed has a fused backward or a key block to count."""
+    family, idx = CASES[case]
+    _, op = _layer(family, idx)
+    counted = {}
+    for need_output in (True, False):
+        for sizes, rank in (((TOKENS,), 0), ((TOKENS, TOKENS), 1)):
+            if len(sizes) > 1 and "Window" in case:
+                continue  # sliding windows have no CP form
+            call = LayerCall(1, TOKENS, PREFIX, PREFIX, need_output, sizes, rank, len(sizes), True, torch.bfloat16,
+                             "cuda", PREFIX * len(sizes))
+            counted[need_output, len(sizes)] = op.transient_bytes(call) + op.score_block_bytes(call)
+    assert all(counted[False, world] == 0 for _, world in counted), (case, counted)
+    assert any(counted[True, world] > 0 for _, world in counted), (case, counted)

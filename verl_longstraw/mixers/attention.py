@@ -130,9 +130,11 @@ class RowAttention(MixerOp):
     def transient_bytes(self, call: LayerCall) -> int:
         """The fused backward's buffers where the call takes the fused kernels (``ops.attention.fused``, pass-Q's
         ``sharded_fused_backward_transient_bytes`` under CP); under CP off them, the blocked pass-Q's backward
-        (``sharded_blocked_transient_bytes``)."""
+        (``sharded_blocked_transient_bytes``). None without ``need_output``: the layer does not attend."""
+        if not call.need_output:
+            return 0
         if self.takes_blocked_pass_q(call):
-            return self.blocked_pass_q(call).backward if call.need_output else 0
+            return self.blocked_pass_q(call).backward
         if call.cp_size > 1:
             return sharded_fused_backward_transient_bytes(call.device_type, call.dtype, call.batch, self.q_heads,
                                                           self.kv_heads, self.qk_dim, call.sizes, call.rank,
@@ -163,8 +165,8 @@ class RowAttention(MixerOp):
     def score_block_bytes(self, call: LayerCall) -> int:
         """Under CP on the blocked pass-Q (the fused kernels do not take the inputs): the scores and probabilities
         of one key block (``ops.attention.prefix.key_block_size``) of this rank's keys for the gathered queries, in the
-        compute dtype; else 0."""
-        if not self.takes_blocked_pass_q(call):
+        compute dtype; else 0 (and without ``need_output``: the layer does not attend)."""
+        if not call.need_output or not self.takes_blocked_pass_q(call):
             return 0
         itemsize = call.compute.itemsize
         block = min(attention_ops.key_block_size(self.q_heads * call.queries, itemsize), call.prefix + call.tokens)
@@ -320,7 +322,9 @@ class WindowAttention(Attention):
 
     def transient_bytes(self, call: LayerCall) -> int:
         """The fused backward's buffers where ``window_attention`` takes the fused kernels (layers over every earlier
-        key, ``window_attention_fused_dtype``)."""
+        key, ``window_attention_fused_dtype``); none without ``need_output`` (the layer does not attend)."""
+        if not call.need_output:
+            return 0
         fused = window_attention_fused_dtype(call.device_type, call.dtype, self.q_heads, self.kv_heads, self.qk_dim,
                                              self.v_dim, self.window)
         if fused is None:
