@@ -161,7 +161,23 @@ def scale_markdown(rows: list[dict], memory_metric: str) -> list[str]:
         lines.append(f"| {r['model']} | {r['G']} | {r['path']} | {r['P']} | {peak} | {host} | {secs} | {r['fits']} |")
     lines += ["", "## Longest P that fits", "", "| model | G | path | longest P |", "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['G']} | {r['path']} | {r['P']} |" for r in longest_fitting(rows)]
+    lines += ["", "## Prompt state streamed from the host against resident (exact_streamed / exact_host)", "",
+              "| model | G | P | seconds ratio | peak ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['G']} | {r['P']} | {r['seconds']:.3f} | {r['peak']:.3f} |"
+              for r in streamed_against_resident(rows)]
     return lines
+
+
+def streamed_against_resident(rows: list[dict]) -> list[dict]:
+    """Per (model, G, P) where both fit: the ``exact_streamed`` row's seconds and peak bytes over the ``exact_host``
+    row's (the same walk with the prompt state resident on the device)."""
+    fitting = {(r["model"], r["G"], r["P"], r["path"]): r for r in rows
+               if r.get("fits") and not r.get("warm_up") and "skipped" not in r}
+    return [{"model": model, "G": g, "P": length,
+             "seconds": streamed["seconds"] / resident["seconds"],
+             "peak": streamed["peak_bytes"] / resident["peak_bytes"]}
+            for (model, g, length, path), streamed in fitting.items() if path == "exact_streamed"
+            and (resident := fitting.get((model, g, length, "exact_host"))) is not None]
 
 
 def stage_markdown(result: dict, stage: str) -> list[str]:

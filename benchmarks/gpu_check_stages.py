@@ -13,10 +13,11 @@ Stages:
   ``window_attention``) and context-parallel pass-Q's arithmetic on two key shards;
 - scale: random-init layer stacks at real widths (Qwen3.5-27B: hidden 5120, 3 Gated DeltaNet + 1 full-attention
   layer; GLM-5: MLA, hidden 6144, 3 layers), bfloat16; for standard / exact (chunked) / detached and G in {2, 8},
-  and exact with the state-gradient sums in pinned host memory (``exact_host``) at G = 8, P doubles until the path
-  runs out of memory or time (each (model, G, path) series an equal share of the stage); peak memory is
-  ``torch.cuda.max_memory_allocated`` (on CPU: bytes saved for backward, SavedTensorMeter), an ``exact_host`` row's
-  host bytes ``state.host.host_memory``'s peak, each beside the estimate's;
+  and at G = 8 exact with the state-gradient sums in pinned host memory (``exact_host``) and with the prompt state
+  there too, streamed a layer at a time (``exact_streamed``: the streamed walk timed against ``exact_host``, the
+  resident one), P doubles until the path runs out of memory or time (each (model, G, path) series an equal share
+  of the stage); peak memory is ``torch.cuda.max_memory_allocated`` (on CPU: bytes saved for backward,
+  SavedTensorMeter), a host row's host bytes ``state.host.host_memory``'s peak, each beside the estimate's;
 - equivalence: tiny random models of every case (``CASES_NEWEST_FIRST``: every family, every ``tiny.VARIANTS``
   model type and each ``CONFIG_VARIANTS`` entry) against the float32 standard full-sequence path: replay log-probs
   (``group_log_probs``) and chunked exact gradients (``group_backward``) of the model cast to bfloat16, in float32
@@ -764,19 +765,27 @@ def build(config, device: torch.device, dtype: torch.dtype):
     return model.train()
 
 
-SCALE_PATHS = {2: ("standard", "exact", "detached"), 8: ("standard", "exact", "detached", "exact_host")}
+SCALE_PATHS = {2: ("standard", "exact", "detached"),
+               8: ("standard", "exact", "detached", "exact_host", "exact_streamed")}
+# the knobs of each replay path besides ``prompt_grad`` and ``chunk_size``
+PATH_KNOBS = {"exact": {}, "detached": {}, "exact_host": {"state_grad_on_host": True},
+              "exact_streamed": {"state_grad_on_host": True, "state_on_host": True}}
+HOST_PATHS = ("exact_host", "exact_streamed")  # the paths that keep bytes in host memory
+
+
+def path_knobs(path: str, chunk_size: int) -> Knobs:
+    """The ``Knobs`` of a replay ``path`` (a ``PATH_KNOBS`` key)."""
+    return Knobs(prompt_grad=path.partition("_")[0], chunk_size=chunk_size, **PATH_KNOBS[path])
 
 
 def run_path(model, path: str, prompt, responses, chunk_size: int) -> None:
-    """One group's gradients on ``path`` ("standard", "exact", "detached", or "exact_host": exact with
-    ``state_grad_on_host``) into ``model``'s .grad."""
+    """One group's gradients on ``path`` ("standard" or a ``PATH_KNOBS`` key: "exact", "detached", "exact_host":
+    exact with ``state_grad_on_host``, "exact_streamed": and ``state_on_host``) into ``model``'s .grad."""
     if path == "standard":
         standard_backward(model, prompt, responses)
     else:
         model.zero_grad(set_to_none=True)
-        group_backward(model, prompt, responses, weighted_loss,
-                       knobs=Knobs(prompt_grad=path.removesuffix("_host"), chunk_size=chunk_size,
-                                   state_grad_on_host=path.endswith("_host")))
+        group_backward(model, prompt, responses, weighted_loss, knobs=path_knobs(path, chunk_size))
 
 
 def measure(model, path: str, prompt, responses, chunk_size: int, device: torch.device) -> tuple[int, float]:
@@ -799,16 +808,18 @@ def measure(model, path: str, prompt, responses, chunk_size: int, device: torch.
 def scale_step(model, config, path: str, prompt, responses, chunk_size: int, device: torch.device,
                dtype: torch.dtype) -> dict:
     """One scale row's results: ``measure``'s peak bytes and seconds, and for the replay paths ``estimate_memory``'s
-    total bytes of the same group; ``exact_host``: the host bytes asked at the peak and the estimate's."""
+    total bytes of the same group; a ``HOST_PATHS`` row: the host bytes asked at the peak and the estimate's."""
     host_memory.reset_peak()
     host_before = host_memory.live
     peak, seconds = measure(model, path, prompt, responses, chunk_size, device)
     row = {"fits": True, "peak_bytes": peak, "seconds": seconds, "estimated_total_bytes": None}
     if path != "standard":
+        knobs = path_knobs(path, chunk_size)
         estimate = estimate_memory(config, len(prompt), len(responses), len(responses[0]), chunk_size,
-                                   path.removesuffix("_host"), dtype, state_grad_on_host=path.endswith("_host"))
+                                   knobs.prompt_grad, dtype, state_grad_on_host=knobs.state_grad_on_host,
+                                   state_on_host=knobs.state_on_host)
         row["estimated_total_bytes"] = estimate.total_bytes
-        if path.endswith("_host"):
+        if path in HOST_PATHS:
             row |= {"host_peak_bytes": host_memory.peak - host_before, "estimated_host_bytes": estimate.host_bytes}
     return row
 

@@ -152,9 +152,12 @@ def test_gpu_check_tiny_on_a_bare_machine(tmp_path):
     fsdp = result["fsdp2"]  # the FSDP2 helpers run without veRL
     assert [r["family"] for r in fsdp] == SUITE_CASES and all(_compared(r) for r in fsdp), fsdp
     assert any(r["fits"] for r in result["scale"])
-    assert {r["path"] for r in result["scale"]} == {"standard", "exact", "detached", "exact_host"}
-    host = [r for r in result["scale"] if r["path"] == "exact_host" and r["fits"]]
-    assert host and all(r["host_peak_bytes"] == r["estimated_host_bytes"] > 0 for r in host), host
+    assert {r["path"] for r in result["scale"]} == {"standard", "exact", "detached", "exact_host", "exact_streamed"}
+    for path in stages.HOST_PATHS:  # the host bytes asked are the estimate's, the whole prompt state's when streamed
+        host = [r for r in result["scale"] if r["path"] == path and r["fits"]]
+        assert host and all(r["host_peak_bytes"] == r["estimated_host_bytes"] > 0 for r in host), host
+    streamed = gpu_check.streamed_against_resident(result["scale"])
+    assert streamed and all(r["seconds"] > 0 and r["peak"] > 0 for r in streamed), streamed  # the device row's pairs
     kernels = result["kernels"]
     assert set(kernels) == set(gpu_check.STAGES) and all(k["attention"] for k in kernels.values())
     ops = result["ops"]  # the fused op, two-shard pass-Q, MLA's and gpt-oss's sinks, within the standard's error
