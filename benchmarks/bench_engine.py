@@ -135,7 +135,9 @@ def measure(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tu
     t0 = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - t0
-    return result, seconds, (_kib("VmHWM") - before) / 1024
+    # the kernel raises VmHWM lazily: pages freed since the start reading can leave it below that reading, a call
+    # that added nothing above the start (0, not a negative peak)
+    return result, seconds, max(_kib("VmHWM") - before, 0) / 1024
 
 
 def _scalar(value: Any) -> float:
